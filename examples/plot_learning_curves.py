@@ -37,6 +37,9 @@ def main() -> None:
     parser.add_argument("--labels", nargs="*", help="legend labels (default: folder names)")
     parser.add_argument("--proxy", default="critic/rewards/shapes/strict/mean", help="training-reward key")
     parser.add_argument("--heldout", default="val/shapes/strict/mean", help="held-out key")
+    parser.add_argument(
+        "--smooth", type=int, default=5, help="moving average of the proxy over this many rollouts"
+    )
     parser.add_argument("--out", default="learning_curves.png")
     opts = parser.parse_args()
 
@@ -51,10 +54,13 @@ def main() -> None:
         opts.runs, labels, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False
     ):
         steps, values = read_series(run, opts.proxy)
-        axes[0].plot(steps, values, color=colour, alpha=0.8, label=label)
+        k = max(1, min(opts.smooth, len(values)))
+        averaged = [sum(values[i - k + 1 : i + 1]) / k for i in range(k - 1, len(values))]
+        axes[0].plot(steps[k - 1 :], averaged, color=colour, alpha=0.8, label=label)
         steps, values = read_series(run, opts.heldout)
         axes[1].plot(steps, values, "o-", color=colour, label=label)
-    axes[0].set_title("proxy: training reward (rollouts, strict)")
+    window = f", mean of {opts.smooth}" if opts.smooth > 1 else ""
+    axes[0].set_title(f"proxy: training reward (rollouts, strict{window})")
     axes[1].set_title("held-out strict accuracy (ODE samples)")
     for ax in axes:
         ax.set_xlabel("rollout batch")
