@@ -1,0 +1,44 @@
+"""What ``FlowGRPOModule``'s steps hand to the callbacks (``on_train_batch_end`` / ``on_validation_batch_end``).
+
+Typed dicts, not dataclasses: Lightning's manual-optimization loop passes a training step's output on
+only when it is a ``Mapping``. Images stay on the module's device; a callback that logs some copies
+just those to the host, on the steps it logs.
+"""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+from torch import Tensor
+
+#: Stages of one training step, in the order they run (``timing_s/<stage>``).
+STAGES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "step")
+
+#: Stages whose transformer forwards run without backward (rollout, old log-prob, reference).
+INFERENCE_STAGES = ("gen", "old_log_prob", "ref")
+
+
+class StepOutput(TypedDict):
+    """One rollout batch on this rank."""
+
+    timings: dict[str, float]
+    """Seconds spent in each of :data:`STAGES` (after a CUDA synchronize)."""
+    num_images: int
+    """Images this rank generated."""
+    transformer_forwards: dict[str, int]
+    """Single-sample transformer forwards per stage (CFG counts twice), for MFU."""
+    images: Tensor
+    """(B, 3, H, W) in [0, 1], on the module's device."""
+    prompts: list[str]
+    rewards: Tensor
+    """(B,) total reward (NaN where the sample could not be scored)."""
+
+
+class ValidationOutput(TypedDict):
+    """One validation batch on this rank."""
+
+    images: Tensor
+    """(B, 3, H, W) in [0, 1], on the module's device."""
+    prompts: list[str]
+    rewards: dict[str, Tensor]
+    """Each reward component, (B,) (NaN where unscored)."""
