@@ -12,18 +12,28 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "AdvantageSettings": "lit_flowgrpo.module",
+    "DiagnosticsSettings": "lit_flowgrpo.module",
+    "FlowGRPO": "lit_flowgrpo.objective",
     "FlowGRPOModule": "lit_flowgrpo.module",
-    "LoraSettings": "lit_flowgrpo.module",
+    "GRPOGuard": "lit_flowgrpo.objective",
     "GroupSampler": "lit_flowgrpo.data",
+    "LoraSettings": "lit_flowgrpo.lora",
+    "Objective": "lit_flowgrpo.objective",
     "PromptBatch": "lit_flowgrpo.data",
     "PromptDataModule": "lit_flowgrpo.data",
+    "Sampler": "lit_flowgrpo.rollout",
+    "UpdateSettings": "lit_flowgrpo.module",
 }
 
-__all__ = ["FlowGRPOModule", "GroupSampler", "LoraSettings", "PromptBatch", "PromptDataModule"]
+__all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from lit_flowgrpo.data import GroupSampler, PromptBatch, PromptDataModule
-    from lit_flowgrpo.module import FlowGRPOModule, LoraSettings
+    from lit_flowgrpo.lora import LoraSettings
+    from lit_flowgrpo.module import AdvantageSettings, DiagnosticsSettings, FlowGRPOModule, UpdateSettings
+    from lit_flowgrpo.objective import FlowGRPO, GRPOGuard, Objective
+    from lit_flowgrpo.rollout import Sampler
 
 
 def __getattr__(name: str) -> Any:

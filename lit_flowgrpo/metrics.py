@@ -404,7 +404,7 @@ class PolicyRatioStats(_DictMetric):
     advantage does not push; ``kl_max`` or ``by_step/...`` rising at late steps is GRPO-Guard's symptom.
 
     With ``by_step=True`` every statistic is also kept per denoising step j and reported as
-    ``by_step/<stat>/step_<j>`` for the steps that had tokens. With ``top_k_kl=k`` the k tokens of
+    ``by_step/<stat>/step_<j>`` for the steps that had tokens (logged as ``actor_by_step/<stat>/step_<j>``). With ``top_k_kl=k`` the k tokens of
     highest K3 over all ranks are kept as records (``kl``, ``ratio``, ``new_logp``, ``old_logp``,
     ``sample_id``, ``step``; −1 where not given), sorted by KL, in :attr:`top_kl_records` after each
     ``compute()``.
@@ -533,12 +533,15 @@ class PolicyRatioStats(_DictMetric):
         if self.clip_level == "trajectory" and sample_id is None:
             raise ValueError("clip_level='trajectory' needs sample_id=(N,) trajectory ids in update()")
         if step is not None:
+            # Checked where reading it costs no device synchronisation (the module passes CPU steps).
+            if self.by_step and n and step.device.type == "cpu":
+                lo, hi = int(step.min()), int(step.max())
+                if lo < 0 or hi >= (self.num_steps or 0):
+                    raise ValueError(
+                        f"step values lie in [{lo}, {hi}] but num_steps is {self.num_steps}: raise "
+                        "num_steps or pass 0-based step indices"
+                    )
             step = step.detach().to(device, torch.int64)
-            if self.by_step and n and (int(step.min()) < 0 or int(step.max()) >= (self.num_steps or 0)):
-                raise ValueError(
-                    f"step values lie in [{int(step.min())}, {int(step.max())}] but num_steps is "
-                    f"{self.num_steps}: raise num_steps or pass 0-based step indices"
-                )
 
         new = log_prob.detach().to(device, _F64)
         old = old_log_prob.detach().to(device, _F64)
@@ -558,13 +561,9 @@ class PolicyRatioStats(_DictMetric):
             std = std_dev_t.detach().to(device, _F64)
             if sqrt_dt is not None:
                 std = std * sqrt_dt.detach().to(device, _F64)
-            bad = finite & ~(std > 0)
-            if bool(bad.any()):
-                raise ValueError(
-                    "std_dev_t·sqrt_dt must be > 0 for every token: a deterministic (ODE) step has no "
-                    "log-prob and must not be passed"
-                )
-            finite = finite & torch.isfinite(std)
+            # A deterministic (ODE) step (std 0) has no log-prob: such a token is excluded and counted
+            # like a non-finite one, without reading the values back to the host.
+            finite = finite & torch.isfinite(std) & (std > 0)
 
         row = step if self.by_step else torch.zeros(n, dtype=torch.int64, device=device)
         assert row is not None
@@ -698,6 +697,14 @@ class PolicyRatioStats(_DictMetric):
         count = torch.tensor(float(ratio.numel()), dtype=_F64, device=ratio.device)
         high, low = above.sum().to(_F64) / count, below.sum().to(_F64) / count
         return {"clip_ratio": high + low, "clip_ratio_high": high, "clip_ratio_low": low}
+
+    def _prefixed_key(self, key: str) -> str:
+        # Per-step keys go under their own top-level section (``actor_by_step/...``): dashboards
+        # group panels by the first path component, and 18 statistics × the steps would bury the
+        # ``actor/`` section.
+        if key.startswith("by_step/"):
+            return self.prefix.rstrip("/") + "_" + key
+        return self.prefix + key
 
     def reset(self) -> None:
         super().reset()

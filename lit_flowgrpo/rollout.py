@@ -1,25 +1,215 @@
-"""The denoising loop that records a trajectory for the policy update.
+"""The sampler: its settings and the one denoising loop that training, validation and the toy
+evaluation all use.
 
 Steps inside the trained set use the stochastic step (``noise_level`` > 0) and are recorded; the
 others (outside a Flow-GRPO-Fast window) take the deterministic ODE step and store nothing, so a
-trajectory costs memory only for the steps that are trained.
+trajectory costs memory only for the steps that are trained. The :class:`Trajectory` keeps the step
+settings it was drawn with, and :meth:`Trajectory.score` is the only way the update re-scores a
+transition: the update cannot score under different settings than the rollout sampled with.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
 
-from lit_flowgrpo.policies.base import Embeds, FlowPolicy
-from lit_flowgrpo.sde import SDEType, sde_step_with_logprob
+from lit_flowgrpo.policies.base import Embeds, FlowPolicy, index_embeds
+from lit_flowgrpo.sde import SDEStep, SDEType, sde_step_with_logprob
+
+__all__ = ["Sampler", "Trajectory", "initial_noise", "per_sample_generators", "sample_trajectory"]
+
+
+@dataclass
+class Sampler:
+    """How rollouts and validation samples are drawn.
+
+    Args:
+        num_steps: denoising steps of the rollout.
+        noise_level: η of the stochastic steps.
+        sde_type: ``"sde"`` (Flow-GRPO), ``"cps"`` (coefficients-preserving) or ``"dance"``.
+        guidance_scale: CFG scale of the rollout (FLUX: the distilled guidance, set on the policy).
+        timestep_fraction: train the first ⌊fraction·num_steps⌋ steps (Flow-GRPO 0.99: all but the
+            last, whose tiny σ makes the Gaussian likelihood overflow). Ignored with a window.
+        sde_window_size: Flow-GRPO-Fast: only this many consecutive steps are stochastic and trained;
+            the rest are ODE steps and nothing of them is stored.
+        sde_window_range: ``(lo, hi)``: the window starts at a step in [lo, hi − size], drawn per
+            rollout from the seed.
+        height: image height in pixels.
+        width: image width in pixels.
+        batch_size: samples per transformer forward in the rollout and in validation (``None``: the
+            whole per-rank batch at once). Each sample's noise comes from its own seed, so this only
+            trades memory for speed.
+        eval_num_steps: ODE steps of validation sampling.
+        eval_guidance_scale: CFG scale of validation; ``None`` uses ``guidance_scale``.
+    """
+
+    num_steps: int = 10
+    noise_level: float = 0.7
+    sde_type: SDEType = "sde"
+    guidance_scale: float = 4.5
+    timestep_fraction: float = 0.99
+    sde_window_size: int | None = None
+    sde_window_range: tuple[int, int] | None = None
+    height: int = 512
+    width: int = 512
+    batch_size: int | None = None
+    eval_num_steps: int = 40
+    eval_guidance_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.sde_window_range is not None:
+            self.sde_window_range = tuple(self.sde_window_range)  # YAML gives a list
+
+    def problems(self, flag: str = "--model.sampler") -> list[str]:
+        """Every problem with these settings (empty when fine); checked before any weight is read."""
+        p: list[str] = []
+        for name in ("num_steps", "eval_num_steps", "height", "width"):
+            if getattr(self, name) < 1:
+                p.append(f"{flag}.{name} ({getattr(self, name)}) must be at least 1")
+        if self.batch_size is not None and self.batch_size < 1:
+            p.append(f"{flag}.batch_size ({self.batch_size}) must be at least 1, or null for the whole batch")
+        if not self.noise_level > 0:
+            p.append(f"{flag}.noise_level ({self.noise_level}) must be > 0: RL needs stochastic steps to score")
+        if self.sde_window_size is None:
+            if not 0 < self.timestep_fraction <= 1:
+                p.append(f"{flag}.timestep_fraction ({self.timestep_fraction}) must lie in (0, 1]")
+            elif self.num_steps >= 1 and int(self.num_steps * self.timestep_fraction) < 1:
+                p.append(
+                    f"{flag}.timestep_fraction ({self.timestep_fraction}) × num_steps ({self.num_steps}) "
+                    "trains no step: raise either"
+                )
+        else:
+            lo, hi = self._window_range()
+            if self.sde_window_size < 1 or not 0 <= lo <= hi - self.sde_window_size or hi > self.num_steps:
+                p.append(
+                    f"{flag}.sde_window_size ({self.sde_window_size}) must fit in {flag}.sde_window_range "
+                    f"({(lo, hi)}) within num_steps ({self.num_steps})"
+                )
+        return p
+
+    @property
+    def eval_guidance(self) -> float:
+        return self.guidance_scale if self.eval_guidance_scale is None else self.eval_guidance_scale
+
+    def settings(self) -> dict[str, object]:
+        """Plain values for checkpoints and loggers."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def _window_range(self) -> tuple[int, int]:
+        return self.sde_window_range if self.sde_window_range is not None else (0, self.num_steps)
+
+    def plan(self, step: int, seed: int) -> tuple[list[int], list[int]]:
+        """(stochastic steps, trained steps) of the rollout at training step ``step``."""
+        if self.sde_window_size is None:
+            trained = list(range(int(self.num_steps * self.timestep_fraction)))
+            return list(range(self.num_steps)), trained
+        lo, hi = self._window_range()
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        begin = int(torch.randint(lo, hi - self.sde_window_size + 1, (1,), generator=gen))
+        window = list(range(begin, begin + self.sde_window_size))
+        return window, window
+
+    def rollout(
+        self,
+        policy: FlowPolicy,
+        embeds: Embeds,
+        seeds: Tensor,
+        *,
+        step: int,
+        seed: int,
+        keep_means: bool = False,
+    ) -> tuple[Trajectory, Tensor]:
+        """Sample the training batch, recording its trained steps; returns (trajectory, images).
+
+        Args:
+            policy: the model family (put in eval mode for the duration).
+            embeds: conditioning, one row per sample.
+            seeds: (B,) per-sample noise seeds.
+            step: the training step (chooses the Flow-GRPO-Fast window).
+            seed: the run's seed (chooses the window).
+            keep_means: also record μ_old (GRPO-Guard needs it).
+        """
+        sde_steps, train_steps = self.plan(step, seed)
+        transformer = policy.transformer
+        was_training = transformer.training
+        transformer.eval()
+        try:
+            parts, images = [], []
+            for rows in self._chunks(len(seeds)):
+                device = _device(policy)
+                generators = per_sample_generators(seeds[rows], device)
+                noise = initial_noise(policy.latent_shape(self.height, self.width), generators, device)
+                traj = sample_trajectory(
+                    policy,
+                    index_embeds(embeds, rows),
+                    noise,
+                    policy.sigmas(self.num_steps, self.height, self.width),
+                    guidance_scale=self.guidance_scale,
+                    noise_level=self.noise_level,
+                    sde_type=self.sde_type,
+                    sde_steps=sde_steps,
+                    train_steps=train_steps,
+                    generators=generators,
+                    keep_means=keep_means,
+                )
+                images.append(policy.decode(traj.final))
+                parts.append(traj)
+        finally:
+            transformer.train(was_training)
+        return Trajectory.cat(parts), torch.cat(images)
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        policy: FlowPolicy,
+        prompts: Sequence[str],
+        seeds: Tensor,
+        *,
+        noise_device: torch.device | str | None = None,
+        to_cpu: bool = False,
+    ) -> Tensor:
+        """Images (B, 3, H, W) in [0, 1] sampled with the deterministic ODE (validation, evaluation).
+
+        Args:
+            policy: the model family.
+            prompts: one per sample.
+            seeds: (B,) per-sample noise seeds.
+            noise_device: where the initial noise is drawn (``"cpu"`` makes the samples independent
+                of the device); ``None``: the policy's device, as the training rollout.
+            to_cpu: move each chunk's images to the host as it is done (long evaluations).
+        """
+        out = []
+        for rows in self._chunks(len(prompts)):
+            device = _device(policy)
+            generators = per_sample_generators(seeds[rows], noise_device or device)
+            noise = initial_noise(policy.latent_shape(self.height, self.width), generators, device)
+            traj = sample_trajectory(
+                policy,
+                policy.encode_prompts([prompts[i] for i in range(rows.start, rows.stop)]),
+                noise,
+                policy.sigmas(self.eval_num_steps, self.height, self.width),
+                guidance_scale=self.eval_guidance,
+                noise_level=self.noise_level,  # unused: no step is stochastic
+                sde_type=self.sde_type,
+                sde_steps=[],
+                train_steps=[],
+            )
+            images = policy.decode(traj.final)
+            out.append(images.cpu() if to_cpu else images)
+        return torch.cat(out)
+
+    def _chunks(self, n: int) -> list[slice]:
+        size = self.batch_size or max(n, 1)
+        return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
 @dataclass
 class Trajectory:
-    """What the update needs from one rollout of B samples, at its S trained steps."""
+    """What the update needs from one rollout of B samples, at its S trained steps, and the step
+    settings it was drawn with."""
 
     latents: Tensor
     """(B, S, *latent) fp32: x at each trained step."""
@@ -34,15 +224,62 @@ class Trajectory:
     sqrt_dt: Tensor
     """(B, S) fp32."""
     sigmas: Tensor
-    """(S,) fp32: σ of each trained step."""
+    """(S,) fp32 on the CPU (read on the host at every re-score): σ of each trained step."""
     sigmas_next: Tensor
-    """(S,) fp32."""
+    """(S,) fp32 on the CPU."""
     step_indices: Tensor
-    """(S,) int64: each trained step's position in the schedule."""
+    """(S,) int64 on the CPU: each trained step's position in the schedule."""
     final: Tensor
     """(B, *latent) fp32: the sample at σ = 0."""
     transformer_forwards: int
     """Single-sample transformer forwards per sample (CFG counts twice)."""
+    noise_level: float
+    """η the stochastic steps were drawn with."""
+    sde_type: SDEType
+    sigma_max: float | None
+    """The σ used in place of σ = 1 (Flow-GRPO's second sigma)."""
+
+    @property
+    def num_trained(self) -> int:
+        return self.log_probs.shape[1]
+
+    def score(self, velocity: Tensor, j: int, idx: Tensor) -> SDEStep:
+        """Re-score the recorded transition of trained step ``j`` for samples ``idx`` under ``velocity``.
+
+        The same step function and settings as the rollout, so on-policy the log-prob is bit for bit
+        the recorded one (fp32, same batch composition).
+        """
+        return sde_step_with_logprob(
+            velocity,
+            self.latents[idx, j],
+            float(self.sigmas[j]),
+            float(self.sigmas_next[j]),
+            noise_level=self.noise_level,
+            sde_type=self.sde_type,
+            prev_sample=self.next_latents[idx, j],
+            sigma_max=self.sigma_max,
+        )
+
+    @staticmethod
+    def cat(parts: Sequence[Trajectory]) -> Trajectory:
+        """Join trajectories of the same rollout drawn in sample chunks (along the batch)."""
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        batch_fields = ("latents", "next_latents", "log_probs", "std_dev_t", "sqrt_dt", "final")
+        joined = {name: torch.cat([getattr(p, name) for p in parts]) for name in batch_fields}
+        means = None if first.prev_sample_means is None else torch.cat([p.prev_sample_means for p in parts])
+        return Trajectory(
+            **joined,
+            prev_sample_means=means,
+            sigmas=first.sigmas,
+            sigmas_next=first.sigmas_next,
+            step_indices=first.step_indices,
+            transformer_forwards=first.transformer_forwards,
+            noise_level=first.noise_level,
+            sde_type=first.sde_type,
+            sigma_max=first.sigma_max,
+        )
 
 
 @torch.no_grad()
@@ -60,7 +297,7 @@ def sample_trajectory(
     generators: Sequence[torch.Generator] | None = None,
     keep_means: bool = False,
 ) -> Trajectory:
-    """Sample B images from ``noise`` and record the trained steps.
+    """Sample B images from ``noise`` and record the trained steps (the denoising loop).
 
     Args:
         policy: the model family.
@@ -80,8 +317,9 @@ def sample_trajectory(
     sde_set, train_set = set(sde_steps), set(train_steps)
     if not train_set <= sde_set:
         raise ValueError(f"trained steps {sorted(train_set - sde_set)} are not stochastic steps")
+    sigma_list = sigmas.tolist()  # one host read for the whole loop
     # Flow-GRPO evaluates σ/(1−σ) at σ = 1 with the schedule's second sigma instead.
-    sigma_max = float(sigmas[1]) if num_steps > 1 and 0 < float(sigmas[1]) < 1 else None
+    sigma_max = sigma_list[1] if num_steps > 1 and 0 < sigma_list[1] < 1 else None
     batch = noise.shape[0]
     device = noise.device
     x = noise.to(torch.float32)
@@ -89,7 +327,7 @@ def sample_trajectory(
     forwards = 0
     per_forward = 2 if (guidance_scale > 1.0 and policy.uses_cfg_batch) else 1
     for j in range(num_steps):
-        sigma, sigma_next = float(sigmas[j]), float(sigmas[j + 1])
+        sigma, sigma_next = sigma_list[j], sigma_list[j + 1]
         velocity = policy.velocity(x, torch.full((batch,), sigma, device=device), embeds, guidance_scale)
         forwards += per_forward
         stochastic = j in sde_set
@@ -122,21 +360,28 @@ def sample_trajectory(
         prev_sample_means=stack("mean") if keep_means else None,
         std_dev_t=stack("std"),
         sqrt_dt=stack("sqrt_dt"),
-        sigmas=sigmas[steps].to(device),
-        sigmas_next=sigmas[[s + 1 for s in steps]].to(device),
+        sigmas=sigmas[steps].cpu(),
+        sigmas_next=sigmas[[s + 1 for s in steps]].cpu(),
         step_indices=torch.tensor(steps, dtype=torch.long),
         final=x,
         transformer_forwards=forwards,
+        noise_level=noise_level,
+        sde_type=sde_type,
+        sigma_max=sigma_max,
     )
 
 
-def per_sample_generators(seeds: Tensor, device: torch.device) -> list[torch.Generator]:
+def per_sample_generators(seeds: Tensor, device: torch.device | str) -> list[torch.Generator]:
     """One generator per sample, seeded from the batch's per-sample seeds."""
     return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds.tolist()]
 
 
 def initial_noise(
-    shape: Sequence[int], generators: Sequence[torch.Generator], device: torch.device
+    shape: Sequence[int], generators: Sequence[torch.Generator], device: torch.device | str
 ) -> Tensor:
-    """(B, *shape) standard normal, row i drawn from generator i (fp32)."""
-    return torch.stack([torch.randn(tuple(shape), generator=g, device=device) for g in generators])
+    """(B, *shape) standard normal fp32 on ``device``, row i drawn from generator i (on its own device)."""
+    return torch.stack([torch.randn(tuple(shape), generator=g, device=g.device) for g in generators]).to(device)
+
+
+def _device(policy: FlowPolicy) -> torch.device:
+    return next(policy.transformer.parameters()).device

@@ -27,7 +27,7 @@ EXPECTED = [
     *(f"actor/{s}" for s in ("approx_kl", "ppo_kl", "policy_confidence", "mean_new_logp", "mean_old_logp")),
     "actor/logp_diff_mean",
     "actor/kl_max",
-    *(f"actor/by_step/ratio_mean/step_{j}" for j in range(3)),
+    *(f"actor_by_step/ratio_mean/step_{j}" for j in range(3)),
     *(f"timing_s/{s}" for s in ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "step")),
     *(f"timing_per_image_ms/{s}" for s in ("gen", "reward", "update_actor", "step")),
     *(

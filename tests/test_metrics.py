@@ -296,7 +296,7 @@ def test_policy_ratio_stats_by_step_matches_numpy_per_step() -> None:
     _assert_close(out, want)
     # late steps move more: the per-step diagnostic sees what the pooled one averages away
     assert float(out["by_step/approx_kl/step_5"]) > 10 * float(out["by_step/approx_kl/step_0"])
-    assert set(metric.compute_prefixed()) >= {"actor/ratio_mean", "actor/by_step/ratio_mean/step_3"}
+    assert set(metric.compute_prefixed()) >= {"actor/ratio_mean", "actor_by_step/ratio_mean/step_3"}
 
 
 def test_ratio_std_is_accurate_near_one() -> None:
@@ -538,7 +538,7 @@ def test_lightning_logs_the_prefixed_keys(tmp_path) -> None:
     assert len(recorder.rows) == 2
     first, second = recorder.rows[0][1], recorder.rows[1][1]
     # step 0 ratio 1, step 1 ratio e^0.1; the second batch starts from a fresh state
-    assert first["actor/by_step/ratio_mean/step_1"] == pytest.approx(math.exp(0.1), rel=1e-6)
+    assert first["actor_by_step/ratio_mean/step_1"] == pytest.approx(math.exp(0.1), rel=1e-6)
     assert first["actor/ratio_mean"] == pytest.approx((1 + math.exp(0.1)) / 2, rel=1e-6)
     assert first["actor/count"] == 8.0 and second["actor/count"] == 8.0
     assert first["critic/rewards/std"] == pytest.approx(np.std([0.0, 1.0, 2.0, 3.0]), rel=1e-6)

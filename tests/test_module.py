@@ -11,7 +11,16 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from lit_flowgrpo import FlowGRPOModule, LoraSettings, PromptDataModule
+from lit_flowgrpo import (
+    AdvantageSettings,
+    FlowGRPO,
+    FlowGRPOModule,
+    GRPOGuard,
+    LoraSettings,
+    PromptDataModule,
+    Sampler,
+    UpdateSettings,
+)
 from lit_flowgrpo.policies import SD3Policy
 
 
@@ -20,16 +29,28 @@ def brightness(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -
 
 
 def make_module(path: str, reward=brightness, **overrides) -> FlowGRPOModule:
+    """The tiny SD3 run; ``overrides`` replace top-level arguments, or fields of ``sampler``,
+    ``update``, ``advantage`` and the objective by name."""
+    sampler = dict(num_steps=4, eval_num_steps=3, guidance_scale=4.5, height=32, width=32)
+    update = dict(micro_batch_size=4, optimizer_steps_per_rollout=2)
+    advantage: dict = {}
+    objective = dict(clip_range=1e-2, kl_coef=0.04)
+    objective_class = overrides.pop("objective_class", FlowGRPO)
+    for group in (sampler, update, objective):
+        for key in list(overrides):
+            if key in group:
+                group[key] = overrides.pop(key)
+    for key in [k for k in overrides if k in AdvantageSettings.__dataclass_fields__]:
+        advantage[key] = overrides.pop(key)
+    for key in [k for k in overrides if k in Sampler.__dataclass_fields__]:
+        sampler[key] = overrides.pop(key)
+    for key in [k for k in overrides if k in UpdateSettings.__dataclass_fields__]:
+        update[key] = overrides.pop(key)
     settings = dict(
-        num_steps=4,
-        eval_num_steps=3,
-        guidance_scale=4.5,
-        height=32,
-        width=32,
-        micro_batch_size=4,
-        optimizer_steps_per_rollout=2,
-        clip_range=1e-2,
-        kl_coef=0.04,
+        objective=objective_class(**objective),
+        sampler=Sampler(**sampler),
+        update=UpdateSettings(**update),
+        advantage=AdvantageSettings(**advantage),
         lora=LoraSettings(rank=4, alpha=8),
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
     )
@@ -120,9 +141,9 @@ def test_rollout_is_deterministic_and_reference_is_adapter_off(tiny_sd3_path, pr
     module.configure_model()
     data = make_data(prompt_file)
     batch = next(iter(data.train_dataloader()))
-    module._train_sigmas = module.policy.sigmas(4, 32, 32)
-    a, images_a, _ = module._rollout(batch)
-    b, images_b, _ = module._rollout(batch)
+    embeds = module.policy.encode_prompts(batch.prompts)
+    a, images_a = module.sampler.rollout(module.policy, embeds, batch.seeds, step=batch.step, seed=0)
+    b, images_b = module.sampler.rollout(module.policy, embeds, batch.seeds, step=batch.step, seed=0)
     assert torch.equal(images_a, images_b) and torch.equal(a.log_probs, b.log_probs)
     assert a.latents.shape == (8, 3, 4, 16, 16)  # int(4 · 0.99) = 3 trained steps
     # LoRA B starts at 0 (peft's gaussian init too), so move it: then the adapter-off reference must
@@ -135,7 +156,7 @@ def test_rollout_is_deterministic_and_reference_is_adapter_off(tiny_sd3_path, pr
     emb = module.policy.encode_prompts(["a", "b"])
     sigma = torch.full((2,), 0.5)
     with_lora = module.policy.velocity(x, sigma, emb, 1.0)
-    with module._reference_policy():
+    with module.weights.reference(module.policy):
         without = module.policy.velocity(x, sigma, emb, 1.0)
     again = module.policy.velocity(x, sigma, emb, 1.0)
     assert not torch.allclose(with_lora, without)
@@ -205,7 +226,36 @@ def test_nonfinite_reward_is_dropped_and_counted(tiny_sd3_path, prompt_file, tmp
     assert row["actor/dropped_samples"] == 2
     assert row["reward/failure_rate"] == pytest.approx(0.25)
     assert row["critic/rewards/count"] == 6
+    assert row["critic/rewards/nonfinite_count"] == 2
     assert math.isfinite(row["actor/loss"])
+
+
+def test_unscorable_batches_stop_the_run_instead_of_spinning(tiny_sd3_path, prompt_file, tmp_path):
+    def broken(images, prompts, metadata):
+        return torch.full((len(prompts),), float("nan"))
+
+    module = make_module(tiny_sd3_path, reward=broken, max_idle_rollouts=3)
+    trainer = make_trainer(tmp_path, max_steps=4)
+    with pytest.warns(UserWarning, match="no optimizer step"), pytest.raises(
+        RuntimeError, match=r"3 rollouts in a row made no optimizer step .*max_idle_rollouts=3"
+    ):
+        trainer.fit(module, datamodule=make_data(prompt_file))
+    assert trainer.global_step == 0
+
+
+def test_all_zero_reward_weights_are_refused(tiny_sd3_path):
+    with pytest.raises(ValueError, match=r"--model.reward.weights are all 0"):
+        make_module(tiny_sd3_path, reward={"jpeg_compressibility": 0.0})
+
+
+def test_wrong_reward_shape_names_the_reward(tiny_sd3_path, prompt_file, tmp_path):
+    def one_number(images, prompts, metadata):
+        return images.mean()
+
+    module = make_module(tiny_sd3_path, reward=one_number)
+    trainer = make_trainer(tmp_path, max_steps=2)
+    with pytest.raises(ValueError, match=r"reward 'one_number' returned .* 1 values for a batch of 8: .*\(8,\)"):
+        trainer.fit(module, datamodule=make_data(prompt_file))
 
 
 def test_nonfinite_gradient_skips_the_step(tiny_sd3_path, prompt_file, tmp_path):
@@ -231,25 +281,38 @@ def test_nonfinite_gradient_skips_the_step(tiny_sd3_path, prompt_file, tmp_path)
 def test_grpo_guard_and_window_run(tiny_sd3_path, prompt_file, tmp_path):
     module = make_module(
         tiny_sd3_path,
-        loss="grpo_guard",
+        objective_class=GRPOGuard,
         clip_range=2e-6,
         sde_window_size=2,
         sde_window_range=(0, 3),
         kl_coef=0.0,
     )
     trainer = make_trainer(tmp_path, max_steps=2)
-    trainer.fit(module, datamodule=make_data(prompt_file))
+    data = make_data(prompt_file)
+    trainer.fit(module, datamodule=data)
     row = next(r for r in logged(trainer) if "actor/loss" in r)
     assert math.isfinite(row["actor/loss"]) and row["actor/on_policy_ratio_err"] <= 1e-6
-    assert "actor/by_step/ratio_mean/step_0" in row or "actor/by_step/ratio_mean/step_1" in row
+    # The window is a pure function of (seed, step): exactly its two steps are trained and logged.
+    sde_steps, trained = module.sampler.plan(step=0, seed=module.seed)
+    assert sde_steps == trained and len(trained) == 2 and trained[0] in (0, 1)
+    logged_steps = sorted(int(k.rsplit("_", 1)[1]) for k in row if k.startswith("actor_by_step/ratio_mean/"))
+    assert logged_steps == trained
 
 
 def test_validation_logs_reward_components(tiny_sd3_path, prompt_file, tmp_path):
     module = make_module(tiny_sd3_path)
     trainer = make_trainer(tmp_path, max_steps=1, limit_val_batches=None)
-    trainer.validate(module, datamodule=make_data(prompt_file))
+    data = make_data(prompt_file)
+    trainer.validate(module, datamodule=data)
     row = next(r for r in logged(trainer) if "val/reward/mean" in r)
-    assert 0 <= row["val/reward/mean"] <= 1
+    # The same deterministic ODE samples, scored again: the logged mean is their brightness.
+    batches = list(data.val_dataloader())
+    with torch.no_grad():
+        want = torch.cat(
+            [brightness(module.sampler.evaluate(module.policy, b.prompts, b.seeds), [], []) for b in batches]
+        )
+    assert row["val/reward/mean"] == pytest.approx(float(want.double().mean()), rel=1e-6)
+    assert row["val/reward/unscored_count"] == 0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -272,7 +335,7 @@ def test_group_size_below_two(prompt_file):
 def test_micro_batch_must_divide(tiny_sd3_path, prompt_file, tmp_path):
     module = make_module(tiny_sd3_path, micro_batch_size=3)
     trainer = make_trainer(tmp_path, max_steps=1)
-    with pytest.raises(ValueError, match=r"--model.micro_batch_size \(3\) must divide the per-rank batch"):
+    with pytest.raises(ValueError, match=r"--model.update.micro_batch_size \(3\) must divide the per-rank batch"):
         trainer.fit(module, datamodule=make_data(prompt_file))
     assert module.policy.pipe is None  # failed before loading
 
@@ -290,8 +353,8 @@ def test_missing_model_path(tmp_path):
 
 
 def test_grpo_guard_needs_sde(tiny_sd3_path):
-    with pytest.raises(ValueError, match=r"loss=grpo_guard needs --model\.sde_type=sde"):
-        make_module(tiny_sd3_path, loss="grpo_guard", sde_type="cps")
+    with pytest.raises(ValueError, match=r"GRPOGuard needs --model\.sampler\.sde_type in \['sde'\]"):
+        make_module(tiny_sd3_path, objective_class=GRPOGuard, sde_type="cps")
 
 
 def test_full_finetune_with_frozen_reference_copy(tiny_sd3_path, prompt_file, tmp_path):
@@ -310,7 +373,7 @@ def test_full_finetune_with_frozen_reference_copy(tiny_sd3_path, prompt_file, tm
     assert all(r["actor/kl_loss"] > 0 for r in rows)  # the policy left the frozen reference
     moved = any(not torch.equal(v, initial[k]) for k, v in module.policy.transformer.named_parameters())
     assert moved, "the full fine-tune changed nothing"
-    for key, value in module._reference.named_parameters():  # the reference never trains
+    for key, value in module.weights._frozen.named_parameters():  # the reference never trains
         assert torch.equal(value, initial[key]), key
     saved = tmp_path / "full.ckpt"
     trainer.save_checkpoint(saved)

@@ -1,0 +1,208 @@
+"""What the update trains (a LoRA adapter or the whole transformer), the KL reference, and export.
+
+LoRA goes through the adapter API that every diffusers model class here already has
+(``add_adapter``, ``disable_adapters``/``enable_adapters``; ``cast_training_params`` and
+``get_peft_model_state_dict`` for the dtype and export), as diffusers' own LoRA training scripts do.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from lit_flowgrpo.policies.base import FlowPolicy
+
+__all__ = ["LoraSettings", "TrainableWeights"]
+
+
+@dataclass
+class LoraSettings:
+    """A LoRA adapter on the policy's transformer.
+
+    Args:
+        rank: r; ``None`` takes the policy's default (SD3 32, FLUX / Qwen-Image 64).
+        alpha: LoRA α (scale α/r); ``None`` takes the policy's default (2·r).
+        target_modules: module names peft matches; ``None`` takes the policy's attention projections.
+        init: peft's ``init_lora_weights`` (``"gaussian"`` as Flow-GRPO, or ``"default"``).
+        dropout: LoRA dropout (0 keeps the rollout and the update numerically identical).
+    """
+
+    rank: int | None = None
+    alpha: float | None = None
+    target_modules: list[str] | None = None
+    init: Literal["gaussian", "default"] = "gaussian"
+    dropout: float = 0.0
+
+    def problems(self, flag: str = "--model.lora") -> list[str]:
+        p = []
+        if self.rank is not None and self.rank < 1:
+            p.append(f"{flag}.rank ({self.rank}) must be at least 1, or null for the policy's default")
+        if self.alpha is not None and not self.alpha > 0:
+            p.append(f"{flag}.alpha ({self.alpha}) must be > 0, or null for 2·rank")
+        if not 0 <= self.dropout < 1:
+            p.append(f"{flag}.dropout ({self.dropout}) must lie in [0, 1)")
+        if self.target_modules is not None and not self.target_modules:
+            p.append(f"{flag}.target_modules is empty: list module names, or null for the policy's default")
+        return p
+
+
+class TrainableWeights:
+    """The trained part of a policy: a LoRA adapter (``lora`` given) or the whole transformer.
+
+    Args:
+        lora: LoRA settings; ``None`` is a full fine-tune of the transformer.
+        reference_copy: full fine-tune only: keep a frozen copy of the initial transformer as the KL
+            reference (with LoRA the reference is the same network with the adapter switched off).
+        seed: seeds the adapter's random initialisation.
+    """
+
+    def __init__(self, lora: LoraSettings | None, reference_copy: bool = False, seed: int = 0) -> None:
+        self.lora = lora
+        self.reference_copy = reference_copy
+        self.seed = seed
+        self.peft_config: Any = None
+        self._frozen: nn.Module | None = None
+
+    def problems(self, uses_reference: bool) -> list[str]:
+        p = [] if self.lora is None else self.lora.problems()
+        if self.lora is None and uses_reference and not self.reference_copy:
+            p.append(
+                "--model.objective.init_args.kl_coef > 0 with a full fine-tune (--model.lora=null) needs "
+                "--model.reference_copy=true (a frozen copy of the initial transformer as the KL reference)"
+            )
+        if self.lora is not None and self.reference_copy:
+            p.append(
+                "--model.reference_copy=true is for full fine-tunes: with --model.lora the reference is the "
+                "network with its adapter switched off; drop one of the two"
+            )
+        return p
+
+    def attach(self, policy: FlowPolicy) -> None:
+        """Make the trained parameters trainable (and only those); called once, after ``policy.load()``."""
+        transformer = policy.transformer
+        if self.lora is None:
+            transformer.requires_grad_(True)
+            if self.reference_copy:
+                # Kept out of the module tree: never checkpointed, never trained; moved to the policy's
+                # device on first use.
+                self._frozen = copy.deepcopy(transformer).requires_grad_(False).eval()
+            return
+        config = self._peft_config(policy)
+        transformer.requires_grad_(False)
+        # The adapter's random init comes from the seed, not from whatever the global RNG holds.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            if hasattr(transformer, "add_adapter"):  # every diffusers model class (PeftAdapterMixin)
+                transformer.add_adapter(config)
+            else:
+                # A plain nn.Module (the toy model) has no adapter API: peft's injection is what
+                # add_adapter runs underneath.
+                from peft import inject_adapter_in_model
+
+                inject_adapter_in_model(config, transformer)
+        from diffusers.training_utils import cast_training_params
+
+        # Trainable weights in fp32 whatever the base dtype: bf16 LoRA weights lose small updates.
+        cast_training_params(transformer, dtype=torch.float32)
+        self.peft_config = config
+        if not any(p.requires_grad for p in transformer.parameters()):
+            raise ValueError(
+                f"--model.lora.target_modules ({config.target_modules}) matched no module of the transformer"
+            )
+
+    def _peft_config(self, policy: FlowPolicy) -> Any:
+        from peft import LoraConfig
+
+        lora = self.lora
+        assert lora is not None
+        rank = lora.rank or getattr(policy, "default_lora_rank", 32)
+        alpha = lora.alpha if lora.alpha is not None else getattr(policy, "default_lora_alpha", 2 * rank)
+        targets = lora.target_modules or list(policy.default_lora_targets)
+        if not targets:
+            raise ValueError(
+                f"--model.lora.target_modules is empty and {type(policy).__name__} names no default: "
+                "list the module names to adapt"
+            )
+        return LoraConfig(
+            r=rank,
+            lora_alpha=alpha,
+            target_modules=targets,
+            init_lora_weights=True if lora.init == "default" else lora.init,
+            lora_dropout=lora.dropout,
+        )
+
+    @contextmanager
+    def reference(self, policy: FlowPolicy) -> Iterator[None]:
+        """Inside, the policy computes with the KL reference's weights."""
+        transformer = policy.transformer
+        if self.lora is not None:
+            with _adapters_disabled(transformer):
+                yield
+            return
+        if self._frozen is None:
+            raise RuntimeError("the KL reference of a full fine-tune needs --model.reference_copy=true")
+        # Exchange storage pointers (no copy, so no 2x memory traffic): the frozen copy's tensors
+        # become the live weights for the duration, then everything is put back. Callers run the
+        # reference before the θ forward, so the swap never touches tensors an autograd graph saved.
+        trained = dict(transformer.named_parameters())
+        frozen = dict(self._frozen.named_parameters())
+        device = next(iter(trained.values())).device
+        if next(iter(frozen.values())).device != device:
+            self._frozen.to(device)
+
+        def swap() -> None:
+            for name, param in trained.items():
+                param.data, frozen[name].data = frozen[name].data, param.data
+
+        swap()
+        try:
+            yield
+        finally:
+            swap()
+
+    def export(self, policy: FlowPolicy, path: str) -> str:
+        """Write what was trained so the family's diffusers pipeline loads it; returns what was written.
+
+        LoRA: an adapter for ``pipeline.load_lora_weights(path)``. Full fine-tune: the transformer as a
+        diffusers model folder (``save_pretrained``), for ``from_pretrained(path)``.
+        """
+        transformer = policy.transformer
+        if self.lora is None:
+            if not hasattr(transformer, "save_pretrained"):
+                raise ValueError(f"{type(transformer).__name__} is not a diffusers model: it has no save_pretrained")
+            transformer.save_pretrained(path)
+            return f"the fine-tuned transformer ({type(transformer).__name__}) to {path}"
+        from peft.utils import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(transformer)
+        metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in self.peft_config.to_dict().items()}
+        policy.save_lora(path, state, metadata)
+        return f"the LoRA adapter to {path}"
+
+
+@contextmanager
+def _adapters_disabled(transformer: nn.Module) -> Iterator[None]:
+    if hasattr(transformer, "disable_adapters"):  # diffusers' PeftAdapterMixin
+        transformer.disable_adapters()
+        try:
+            yield
+        finally:
+            transformer.enable_adapters()
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    # The same loop diffusers' disable_adapters runs, for a model without that mixin.
+    layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
