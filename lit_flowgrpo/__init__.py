@@ -26,7 +26,20 @@ _EXPORTS = {
     "UpdateSettings": "lit_flowgrpo.module",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "AdvantageSettings",
+    "DiagnosticsSettings",
+    "FlowGRPO",
+    "FlowGRPOModule",
+    "GRPOGuard",
+    "GroupSampler",
+    "LoraSettings",
+    "Objective",
+    "PromptBatch",
+    "PromptDataModule",
+    "Sampler",
+    "UpdateSettings",
+]
 
 if TYPE_CHECKING:
     from lit_flowgrpo.data import GroupSampler, PromptBatch, PromptDataModule

@@ -293,7 +293,8 @@ class RLThroughputMonitor(Callback):
         self.peak_flops = available_flops(trainer.strategy.root_device, dtype, self.available_flops_override)
         if not self.measure_flops or not isinstance(policy, FlowPolicy):
             return
-        resolution = (int(pl_module.height), int(pl_module.width))
+        size = getattr(pl_module, "sampler", pl_module)
+        resolution = (int(size.height), int(size.width))
         if self.flops_per_forward is not None and self._flops_resolution == resolution:
             return  # restored from the checkpoint for this resolution
         # every rank runs it: under FSDP the forward all-gathers parameters collectively

@@ -175,13 +175,17 @@ class TrainableWeights:
         transformer = policy.transformer
         if self.lora is None:
             if not hasattr(transformer, "save_pretrained"):
-                raise ValueError(f"{type(transformer).__name__} is not a diffusers model: it has no save_pretrained")
+                raise ValueError(
+                    f"{type(transformer).__name__} is not a diffusers model: it has no save_pretrained"
+                )
             transformer.save_pretrained(path)
             return f"the fine-tuned transformer ({type(transformer).__name__}) to {path}"
         from peft.utils import get_peft_model_state_dict
 
         state = get_peft_model_state_dict(transformer)
-        metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in self.peft_config.to_dict().items()}
+        metadata = {
+            k: (sorted(v) if isinstance(v, set) else v) for k, v in self.peft_config.to_dict().items()
+        }
         policy.save_lora(path, state, metadata)
         return f"the LoRA adapter to {path}"
 

@@ -188,7 +188,10 @@ class FlowGRPOModule(L.LightningModule):
         settings = self.objective.settings()
         settings.pop("name")
         cls = type(self.objective)
-        self.hparams["objective"] = {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": settings}
+        self.hparams["objective"] = {
+            "class_path": f"{cls.__module__}.{cls.__qualname__}",
+            "init_args": settings,
+        }
 
         self.reward_stats = RewardGroupStats()
         self.ratio_stats = PolicyRatioStats(
@@ -343,7 +346,9 @@ class FlowGRPOModule(L.LightningModule):
         failure_rate = 1 - scored / all_rewards.numel()
         if dropped:
             self._counters["dropped_samples"] += dropped
-            rank_zero_warn(f"{dropped} of {len(local)} samples have no finite reward: dropped from the advantages")
+            rank_zero_warn(
+                f"{dropped} of {len(local)} samples have no finite reward: dropped from the advantages"
+            )
         if failure_rate > settings.max_reward_failure_rate:
             raise RuntimeError(
                 f"{failure_rate:.0%} of the batch could not be scored (more than "
@@ -471,7 +476,9 @@ class FlowGRPOModule(L.LightningModule):
                 old_log_prob=traj.log_probs[rows, j],
                 advantages=advantages[rows],
                 prev_sample_mean=step.prev_sample_mean[:live],
-                old_prev_sample_mean=None if traj.prev_sample_means is None else traj.prev_sample_means[rows, j],
+                old_prev_sample_mean=None
+                if traj.prev_sample_means is None
+                else traj.prev_sample_means[rows, j],
                 std_dev_t=traj.std_dev_t[rows, j],
                 sqrt_dt=traj.sqrt_dt[rows, j],
             )
@@ -483,7 +490,9 @@ class FlowGRPOModule(L.LightningModule):
             pg_loss, stats, kl = step.log_prob.sum() * 0.0, None, zero
         loss = pg_loss + self.objective.kl_coef * kl
         # Accumulated on the device: no host read per (micro-batch, step); read once per rollout.
-        self._sums += torch.stack([loss.detach(), pg_loss.detach(), kl.detach(), (~torch.isfinite(loss)).float()])
+        self._sums += torch.stack(
+            [loss.detach(), pg_loss.detach(), kl.detach(), (~torch.isfinite(loss)).float()]
+        )
         self._n_losses += 1
         return loss, stats, step.log_prob.detach()[:live]
 
@@ -600,9 +609,14 @@ class FlowGRPOModule(L.LightningModule):
             log = dict(on_step=False, on_epoch=True)
             self.log(f"val/{name}/mean", self.val_means[key], metric_attribute=f"val_means.{key}", **log)
             self.log(
-                f"val/{name}/unscored_count", self.val_unscored[key], metric_attribute=f"val_unscored.{key}", **log
+                f"val/{name}/unscored_count",
+                self.val_unscored[key],
+                metric_attribute=f"val_unscored.{key}",
+                **log,
             )
-        return ValidationOutput(images=images.detach(), prompts=list(batch.prompts), rewards=rewards.components)
+        return ValidationOutput(
+            images=images.detach(), prompts=list(batch.prompts), rewards=rewards.components
+        )
 
     # ----------------------------------------------------------------------------------------------
     # Optimizers, checkpoints, export
@@ -664,7 +678,9 @@ class FlowGRPOModule(L.LightningModule):
                     state.update(value["ema_state_dict"])
         missing = self._trainable_keys() - set(state)
         if missing:
-            raise ValueError(f"{path} lacks trainable tensors {sorted(missing)[:3]}…: use the run's own config")
+            raise ValueError(
+                f"{path} lacks trainable tensors {sorted(missing)[:3]}…: use the run's own config"
+            )
         self.load_state_dict(state, strict=False)
 
     def export(self, path: str) -> str:

@@ -88,8 +88,10 @@ class Objective:
         a = f"{flag}.init_args."
         # The metric and the clamp need a proper interval (1 − ε, 1 + ε_high) around 1.
         if not 0 < self.clip_range < 1:
-            p.append(f"{a}clip_range ({self.clip_range}) must lie in (0, 1): Flow-GRPO uses 1e-4, GRPO-Guard ~2e-6")
-        if not 0 < self.clip_range_high:
+            p.append(
+                f"{a}clip_range ({self.clip_range}) must lie in (0, 1): Flow-GRPO uses 1e-4, GRPO-Guard ~2e-6"
+            )
+        if not self.clip_range_high > 0:
             p.append(f"{a}clip_range_high ({self.clip_range_high}) must be > 0, or null to use clip_range")
         if not self.adv_clip_max > 0:
             p.append(f"{a}adv_clip_max ({self.adv_clip_max}) must be > 0 (Flow-GRPO uses 5.0)")

@@ -72,7 +72,9 @@ class Sampler:
         if self.batch_size is not None and self.batch_size < 1:
             p.append(f"{flag}.batch_size ({self.batch_size}) must be at least 1, or null for the whole batch")
         if not self.noise_level > 0:
-            p.append(f"{flag}.noise_level ({self.noise_level}) must be > 0: RL needs stochastic steps to score")
+            p.append(
+                f"{flag}.noise_level ({self.noise_level}) must be > 0: RL needs stochastic steps to score"
+            )
         if self.sde_window_size is None:
             if not 0 < self.timestep_fraction <= 1:
                 p.append(f"{flag}.timestep_fraction ({self.timestep_fraction}) must lie in (0, 1]")
@@ -380,7 +382,9 @@ def initial_noise(
     shape: Sequence[int], generators: Sequence[torch.Generator], device: torch.device | str
 ) -> Tensor:
     """(B, *shape) standard normal fp32 on ``device``, row i drawn from generator i (on its own device)."""
-    return torch.stack([torch.randn(tuple(shape), generator=g, device=g.device) for g in generators]).to(device)
+    return torch.stack([torch.randn(tuple(shape), generator=g, device=g.device) for g in generators]).to(
+        device
+    )
 
 
 def _device(policy: FlowPolicy) -> torch.device:

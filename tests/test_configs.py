@@ -234,34 +234,44 @@ def test_recipe_matches_its_source(name: str) -> None:
     policy = model["policy"]["init_args"]
 
     gpus = trainer["devices"] * trainer["num_nodes"]
+    objective = model["objective"]
+    sampler, update, advantage = model["sampler"], model["update"], model.get("advantage", {})
     assert gpus == want["gpus"]
     assert data["prompts_per_step"] == want["prompts_per_step"]
     assert data["group_size"] == want["group_size"]
-    assert model["micro_batch_size"] == want["micro_batch_size"]
-    assert model["optimizer_steps_per_rollout"] == want["optimizer_steps_per_rollout"] == 2
+    assert update["micro_batch_size"] == want["micro_batch_size"]
+    assert update["optimizer_steps_per_rollout"] == want["optimizer_steps_per_rollout"] == 2
     # The per-GPU batch divides into micro-batches on the stated GPU count (what setup() checks).
     per_gpu = data["prompts_per_step"] * data["group_size"] / gpus
-    assert per_gpu == int(per_gpu) and per_gpu % model["micro_batch_size"] == 0
+    assert per_gpu == int(per_gpu) and per_gpu % update["micro_batch_size"] == 0
 
-    for key in ("loss", "num_steps", "eval_num_steps", "advantage_std"):
-        assert model[key] == want[key], key
-    for key in ("clip_range", "kl_coef", "noise_level"):
-        assert model[key] == pytest.approx(want[key], rel=1e-12), key
-    assert model["height"] == model["width"] == want["height"]
+    assert (
+        objective["class_path"].rsplit(".", 1)[-1]
+        == {"flow_grpo": "FlowGRPO", "grpo_guard": "GRPOGuard"}[want["loss"]]
+    )
+    for key in ("num_steps", "eval_num_steps"):
+        assert sampler[key] == want[key], key
+    assert advantage.get("std", "global") == want["advantage_std"]
+    for key in ("clip_range", "kl_coef"):
+        assert objective["init_args"][key] == pytest.approx(want[key], rel=1e-12), key
+    assert sampler["noise_level"] == pytest.approx(want["noise_level"], rel=1e-12)
+    assert sampler["height"] == sampler["width"] == want["height"]
     assert model["optimizer"]["init_args"]["lr"] == pytest.approx(want["lr"], rel=1e-12)
     assert model["lora"]["rank"] == want["lora_rank"] and model["lora"]["alpha"] == want["lora_alpha"]
-    assert model["adv_clip_max"] == 5.0 and model["max_grad_norm"] == 1.0
+    assert objective["init_args"]["adv_clip_max"] == 5.0 and update["max_grad_norm"] == 1.0
     if "guidance_scale" in want:
-        assert model["guidance_scale"] == want["guidance_scale"]
+        assert sampler["guidance_scale"] == want["guidance_scale"]
     if "policy_guidance_scale" in want:
         assert policy["guidance_scale"] == want["policy_guidance_scale"]
     if "policy_true_cfg_scale" in want:
-        assert policy["true_cfg_scale"] == want["policy_true_cfg_scale"] == model["guidance_scale"]
-    for key in ("sde_type", "sde_window_size", "sde_window_range", "train_cfg"):
+        assert policy["true_cfg_scale"] == want["policy_true_cfg_scale"] == sampler["guidance_scale"]
+    for key in ("sde_type", "sde_window_size", "sde_window_range"):
         if key in want:
-            assert model[key] == want[key], key
+            assert sampler[key] == want[key], key
+    if "train_cfg" in want:
+        assert update["train_cfg"] == want["train_cfg"]
     if "sde_window_size" not in want:
-        assert model["timestep_fraction"] == 0.99
+        assert sampler["timestep_fraction"] == 0.99
     assert list(model["reward"]["init_args"]["weights"]) == [want["reward"]]
     assert policy["dtype"] == "bfloat16" and trainer["precision"] == "32-true"
 
@@ -271,7 +281,7 @@ def test_recipe_matches_its_source(name: str) -> None:
     assert callbacks["ModelCheckpoint"]["save_last"] is True
     assert {"RLThroughputMonitor", "SampleImageLogger"} <= set(callbacks)
     # Checkpoints land on whole rollouts: every_n_train_steps counts optimizer steps.
-    assert callbacks["ModelCheckpoint"]["every_n_train_steps"] % model["optimizer_steps_per_rollout"] == 0
+    assert callbacks["ModelCheckpoint"]["every_n_train_steps"] % update["optimizer_steps_per_rollout"] == 0
     assert trainer["logger"]["class_path"] == "lightning.pytorch.loggers.WandbLogger"
     assert trainer["logger"]["init_args"]["project"] == "lit_flowgrpo"
 
@@ -324,10 +334,9 @@ def _tiny_run_config(cfg: dict[str, Any], pretrained: str, prompts: str, root: P
     policy = model["policy"]["init_args"]
     policy.update(pretrained=pretrained, max_sequence_length=16)
     model["reward"]["init_args"] = {"weights": {"jpeg_compressibility": 1.0}}
-    window = model.get("sde_window_range")
-    model.update(
-        height=32, width=32, micro_batch_size=4, num_steps=window[1] if window else 3, eval_num_steps=2
-    )
+    window = model["sampler"].get("sde_window_range")
+    model["sampler"].update(height=32, width=32, num_steps=window[1] if window else 3, eval_num_steps=2)
+    model["update"]["micro_batch_size"] = 4
     data.update(train=prompts, val=None, prompts_per_step=2, group_size=4)
     return cfg
 
@@ -348,11 +357,11 @@ def test_recipe_runs_one_rollout_on_cpu(
     want = PUBLISHED[name]
     assert trainer.global_step == 2  # one rollout, the recipe's 2 optimizer steps
     # The recipe's algorithm settings reached the module untouched.
-    assert module.loss_name == want["loss"]
-    assert module.clip_range == pytest.approx(want["clip_range"], rel=1e-12)
-    assert module.kl_coef == pytest.approx(want["kl_coef"], rel=1e-12)
-    assert module.noise_level == pytest.approx(want["noise_level"], rel=1e-12)
-    assert module.advantage_std == want["advantage_std"]
+    assert module.objective.name == want["loss"]
+    assert module.objective.clip_range == pytest.approx(want["clip_range"], rel=1e-12)
+    assert module.objective.kl_coef == pytest.approx(want["kl_coef"], rel=1e-12)
+    assert module.sampler.noise_level == pytest.approx(want["noise_level"], rel=1e-12)
+    assert module.advantage.std == want["advantage_std"]
     assert module.policy.transformer.dtype == torch.bfloat16  # bf16 weights as published
     lora = [p for n, p in module.named_parameters() if "lora_" in n]
     assert lora and all(p.dtype == torch.float32 and p.requires_grad for p in lora)

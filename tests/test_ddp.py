@@ -9,7 +9,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from lit_flowgrpo import FlowGRPOModule, LoraSettings, PromptDataModule
+from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
 from lit_flowgrpo.policies import SD3Policy
 
 
@@ -48,14 +48,9 @@ def run(path: str, prompts: str, out: Path, devices: int) -> None:
         out=str(out),
         policy=SD3Policy(path, dtype="float32", max_sequence_length=16),
         reward=brightness,
-        num_steps=3,
-        eval_num_steps=2,
-        height=32,
-        width=32,
-        micro_batch_size=2,
-        optimizer_steps_per_rollout=1,
-        clip_range=1e-2,
-        kl_coef=0.0,
+        objective=FlowGRPO(clip_range=1e-2),
+        sampler=Sampler(num_steps=3, eval_num_steps=2, height=32, width=32),
+        update=UpdateSettings(micro_batch_size=2, optimizer_steps_per_rollout=1),
         lora=LoraSettings(rank=2, alpha=4),
     )
     data = PromptDataModule(train=prompts, prompts_per_step=2, group_size=4, seed=5)

@@ -236,8 +236,11 @@ def test_unscorable_batches_stop_the_run_instead_of_spinning(tiny_sd3_path, prom
 
     module = make_module(tiny_sd3_path, reward=broken, max_idle_rollouts=3)
     trainer = make_trainer(tmp_path, max_steps=4)
-    with pytest.warns(UserWarning, match="no optimizer step"), pytest.raises(
-        RuntimeError, match=r"3 rollouts in a row made no optimizer step .*max_idle_rollouts=3"
+    with (
+        pytest.warns(UserWarning, match="no optimizer step"),
+        pytest.raises(
+            RuntimeError, match=r"3 rollouts in a row made no optimizer step .*max_idle_rollouts=3"
+        ),
     ):
         trainer.fit(module, datamodule=make_data(prompt_file))
     assert trainer.global_step == 0
@@ -254,7 +257,9 @@ def test_wrong_reward_shape_names_the_reward(tiny_sd3_path, prompt_file, tmp_pat
 
     module = make_module(tiny_sd3_path, reward=one_number)
     trainer = make_trainer(tmp_path, max_steps=2)
-    with pytest.raises(ValueError, match=r"reward 'one_number' returned .* 1 values for a batch of 8: .*\(8,\)"):
+    with pytest.raises(
+        ValueError, match=r"reward 'one_number' returned .* 1 values for a batch of 8: .*\(8,\)"
+    ):
         trainer.fit(module, datamodule=make_data(prompt_file))
 
 
@@ -335,7 +340,9 @@ def test_group_size_below_two(prompt_file):
 def test_micro_batch_must_divide(tiny_sd3_path, prompt_file, tmp_path):
     module = make_module(tiny_sd3_path, micro_batch_size=3)
     trainer = make_trainer(tmp_path, max_steps=1)
-    with pytest.raises(ValueError, match=r"--model.update.micro_batch_size \(3\) must divide the per-rank batch"):
+    with pytest.raises(
+        ValueError, match=r"--model.update.micro_batch_size \(3\) must divide the per-rank batch"
+    ):
         trainer.fit(module, datamodule=make_data(prompt_file))
     assert module.policy.pipe is None  # failed before loading
 
