@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "AdvantageSettings": "lit_flowgrpo.module",
-    "DiagnosticsSettings": "lit_flowgrpo.module",
+    "AdvantageSettings": "lit_flowgrpo.advantages",
+    "DiagnosticsSettings": "lit_flowgrpo.metrics",
     "FlowGRPO": "lit_flowgrpo.objective",
     "FlowGRPOModule": "lit_flowgrpo.module",
     "GRPOGuard": "lit_flowgrpo.objective",
@@ -42,9 +42,11 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from lit_flowgrpo.advantages import AdvantageSettings
     from lit_flowgrpo.data import GroupSampler, PromptBatch, PromptDataModule
     from lit_flowgrpo.lora import LoraSettings
-    from lit_flowgrpo.module import AdvantageSettings, DiagnosticsSettings, FlowGRPOModule, UpdateSettings
+    from lit_flowgrpo.metrics import DiagnosticsSettings
+    from lit_flowgrpo.module import FlowGRPOModule, UpdateSettings
     from lit_flowgrpo.objective import FlowGRPO, GRPOGuard, Objective
     from lit_flowgrpo.rollout import Sampler
 

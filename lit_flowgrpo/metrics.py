@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -34,7 +35,7 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-__all__ = ["PolicyRatioStats", "RewardGroupStats"]
+__all__ = ["DiagnosticsSettings", "PolicyRatioStats", "RewardGroupStats"]
 
 _F64 = torch.float64
 # Differential entropy of N(μ, s²) per element: ½·log(2πe) + log s (Cover & Thomas, eq. 8.8).
@@ -717,3 +718,22 @@ def _top_rows(rows: Tensor, k: int) -> Tensor:
     order = order[torch.argsort(rows[order, 4], stable=True)]
     order = order[torch.argsort(-rows[order, 0], stable=True)]
     return rows[order[:k]]
+
+
+@dataclass
+class DiagnosticsSettings:
+    """Options of the update's ratio/clip/KL statistics (:class:`~lit_flowgrpo.metrics.PolicyRatioStats`).
+
+    Args:
+        by_step: also log every statistic per denoising step (``actor_by_step/<stat>/step_<j>``).
+        top_k_kl: log the k (image, step) pairs of highest KL over all ranks (``actor/top_kl/<i>/...``).
+        clip_level: ``"step"`` counts clipping per (image, step); ``"trajectory"`` per image, from
+            the geometric-mean ratio over its steps (GSPO-style).
+        clip_gate: ``"advantage"`` counts clipping only where it removes the gradient;
+            ``"none"`` counts every ratio outside the range (CISPO-style).
+    """
+
+    by_step: bool = True
+    top_k_kl: int = 0
+    clip_level: Literal["step", "trajectory"] = "step"
+    clip_gate: Literal["advantage", "none"] = "advantage"

@@ -21,7 +21,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import lightning as L
 import torch
@@ -30,10 +30,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics.aggregation import MeanMetric, SumMetric
 
-from lit_flowgrpo.algorithms import group_advantages
+from lit_flowgrpo.advantages import AdvantageSettings
 from lit_flowgrpo.data import PromptBatch
 from lit_flowgrpo.lora import LoraSettings, TrainableWeights
-from lit_flowgrpo.metrics import PolicyRatioStats, RewardGroupStats
+from lit_flowgrpo.metrics import DiagnosticsSettings, PolicyRatioStats, RewardGroupStats
 from lit_flowgrpo.objective import FlowGRPO, Objective, ScoredStep
 from lit_flowgrpo.policies.base import FlowPolicy, index_embeds
 from lit_flowgrpo.rewards.base import MultiReward, RewardOutput
@@ -41,34 +41,6 @@ from lit_flowgrpo.rollout import Sampler, Trajectory
 from lit_flowgrpo.step_output import STAGES, StepOutput, ValidationOutput
 
 __all__ = ["AdvantageSettings", "DiagnosticsSettings", "FlowGRPOModule", "LoraSettings", "UpdateSettings"]
-
-
-@dataclass
-class AdvantageSettings:
-    """From rewards to advantages.
-
-    Args:
-        std: normalise by the std of all rewards (``"global"``) or of each group.
-        filter_zero: skip samples whose advantage is exactly 0 (saturated groups carry no gradient).
-        max_reward_failure_rate: stop the run when more than this fraction of a batch fails to be
-            scored (1.0 never stops on that ground).
-        max_idle_rollouts: stop the run after this many consecutive rollouts without an optimizer step
-            (every sample unscored or filtered, or every gradient non-finite): such a run would never
-            reach ``max_steps``.
-    """
-
-    std: Literal["global", "group"] = "global"
-    filter_zero: bool = False
-    max_reward_failure_rate: float = 1.0
-    max_idle_rollouts: int = 5
-
-    def problems(self, flag: str = "--model.advantage") -> list[str]:
-        p = []
-        if not 0 < self.max_reward_failure_rate <= 1:
-            p.append(f"{flag}.max_reward_failure_rate ({self.max_reward_failure_rate}) must lie in (0, 1]")
-        if self.max_idle_rollouts < 1:
-            p.append(f"{flag}.max_idle_rollouts ({self.max_idle_rollouts}) must be at least 1")
-        return p
 
 
 @dataclass
@@ -103,25 +75,6 @@ class UpdateSettings:
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             p.append(f"{flag}.max_grad_norm ({self.max_grad_norm}) must be > 0, or null for no clipping")
         return p
-
-
-@dataclass
-class DiagnosticsSettings:
-    """Options of the update's ratio/clip/KL statistics (:class:`~lit_flowgrpo.metrics.PolicyRatioStats`).
-
-    Args:
-        by_step: also log every statistic per denoising step (``actor_by_step/<stat>/step_<j>``).
-        top_k_kl: log the k (image, step) pairs of highest KL over all ranks (``actor/top_kl/<i>/...``).
-        clip_level: ``"step"`` counts clipping per (image, step); ``"trajectory"`` per image, from
-            the geometric-mean ratio over its steps (GSPO-style).
-        clip_gate: ``"advantage"`` counts clipping only where it removes the gradient;
-            ``"none"`` counts every ratio outside the range (CISPO-style).
-    """
-
-    by_step: bool = True
-    top_k_kl: int = 0
-    clip_level: Literal["step", "trajectory"] = "step"
-    clip_gate: Literal["advantage", "none"] = "advantage"
 
 
 class FlowGRPOModule(L.LightningModule):
@@ -325,7 +278,7 @@ class FlowGRPOModule(L.LightningModule):
             for name, value in comps.items():
                 if value.shape != (len(batch),):
                     raise ValueError(
-                        f"reward {getattr(self.reward, '__qualname__', type(self.reward).__name__)!r} "
+                        f"reward {getattr(self.reward, '__name__', type(self.reward).__name__)!r} "
                         f"returned {name!r} with {value.numel()} values for a batch of {len(batch)}: "
                         f"a reward returns a Tensor of shape ({len(batch)},) or a dict of them"
                     )
@@ -335,32 +288,20 @@ class FlowGRPOModule(L.LightningModule):
 
     def _advantages(self, rewards: RewardOutput, batch: PromptBatch) -> tuple[Tensor, Tensor]:
         """Group advantages from every rank's rewards; returns this rank's (advantages, keep mask)."""
-        settings = self.advantage
         local = rewards.total.to(self.device, torch.float32)  # (B,)
         group_ids = batch.group_ids.to(self.device)
         valid = torch.isfinite(local)
         gathered = self._gather(torch.stack([local, group_ids.float()]))  # (2, W·B)
-        all_rewards, all_groups = gathered[0], gathered[1].long()
-        all_valid = torch.isfinite(all_rewards)
-        dropped, scored = int((~valid).sum()), int(all_valid.sum())  # one host read per rollout
-        failure_rate = 1 - scored / all_rewards.numel()
+        adv, failure_rate = self.advantage.advantages(gathered[0], gathered[1].long())
+        dropped = int((~valid).sum())
         if dropped:
             self._counters["dropped_samples"] += dropped
             rank_zero_warn(
                 f"{dropped} of {len(local)} samples have no finite reward: dropped from the advantages"
             )
-        if failure_rate > settings.max_reward_failure_rate:
-            raise RuntimeError(
-                f"{failure_rate:.0%} of the batch could not be scored (more than "
-                f"--model.advantage.max_reward_failure_rate {settings.max_reward_failure_rate}): check the "
-                "reward's endpoint or inputs"
-            )
-        adv = torch.zeros_like(all_rewards)
-        if scored:
-            adv[all_valid] = group_advantages(all_rewards[all_valid], all_groups[all_valid], std=settings.std)
         rank, size = self.global_rank, len(local)
         mine = adv[rank * size : (rank + 1) * size]
-        keep = valid & (mine != 0) if settings.filter_zero else valid
+        keep = valid & (mine != 0) if self.advantage.filter_zero else valid
         # Every sample goes in, so the metric counts the unscored ones (critic/rewards/nonfinite_count);
         # it reduces groups exactly across ranks.
         self.reward_stats.update(
