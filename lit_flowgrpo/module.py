@@ -339,7 +339,9 @@ class FlowGRPOModule(L.LightningModule):
         # Every rank runs the same number of backward passes (DDP all-reduces inside each), so the
         # micro-batch count is the largest over ranks; a rank with fewer kept samples pads with
         # zero-weight ones.
-        n_micro = math.ceil(self._max_over_ranks(len(kept)) / settings.micro_batch_size)
+        kept_per_rank = self._gather(torch.tensor([float(len(kept))], device=self.device)).tolist()
+        self._log_load([n * traj.num_trained for n in kept_per_rank])
+        n_micro = math.ceil(max(kept_per_rank) / settings.micro_batch_size)
         applied = 0
         if n_micro and traj.num_trained:
             tol = settings.on_policy_tol
@@ -488,10 +490,12 @@ class FlowGRPOModule(L.LightningModule):
             )
         rank_zero_warn(f"this rollout made no optimizer step ({why})")
 
-    def _max_over_ranks(self, n: int) -> int:
-        if self.trainer.world_size == 1:
-            return n
-        return int(self.trainer.strategy.reduce(torch.tensor(float(n), device=self.device), reduce_op="max"))
+    def _log_load(self, loads: list[float]) -> None:
+        """``global_load/*``: the update's work per rank, (sample, trained step) pairs after filtering,
+        the diffusion analogue of veRL's ``global_seqlen/*``."""
+        low, high = min(loads), max(loads)
+        values = {"min": low, "max": high, "mean": sum(loads) / len(loads), "minmax_diff": high - low}
+        self.log_dict({f"global_load/{k}": v for k, v in values.items()}, on_step=True, on_epoch=False)
 
     def _mean_over_ranks(self, x: Tensor) -> Tensor:
         if self.trainer.world_size == 1:
@@ -528,6 +532,12 @@ class FlowGRPOModule(L.LightningModule):
                 warnings.filterwarnings("ignore", message=".*compute.*before.*update.*")
                 values = metric.compute_prefixed()
             self.log_dict({k: float(v) for k, v in values.items()}, on_step=True, on_epoch=False)
+        # The k (image, step) pairs of highest KL over all ranks (--model.diagnostics.top_k_kl).
+        for i, record in enumerate(self.ratio_stats.top_kl_records):
+            self.log_dict(
+                {f"actor/top_kl/{i}/{k}": float(v) for k, v in record.items()}, on_step=True, on_epoch=False
+            )
+        for metric in (self.reward_stats, self.ratio_stats):
             metric.reset()
 
     # ----------------------------------------------------------------------------------------------

@@ -134,6 +134,10 @@ def test_training_changes_only_lora_and_holds_on_policy(tiny_sd3_path, prompt_fi
         ):
             assert math.isfinite(row[key]), key
     assert steps[1]["actor/kl_loss"] > 0  # the adapter moved away from the reference
+    # One rank, no filtering: the update's load is every sample at each of int(4 · 0.99) = 3 steps.
+    for row in steps:
+        assert row["global_load/min"] == row["global_load/max"] == row["global_load/mean"] == 8 * 3
+        assert row["global_load/minmax_diff"] == 0
 
 
 def test_rollout_is_deterministic_and_reference_is_adapter_off(tiny_sd3_path, prompt_file):
