@@ -35,10 +35,12 @@ EXPECTED = [
         for s in ("throughput", "time_per_step", "total_num_images", "mfu/actor_infer", "mfu/actor")
     ),
     "val/jpeg_compressibility/mean",
+    "val/jpeg_compressibility/unscored_count",
+    *(f"global_load/{s}" for s in ("min", "max", "mean", "minmax_diff")),
 ]
 
 
-def test_tiny_run_logs_every_design_key(tiny_sd3_path, tmp_path):
+def _run_tiny(tiny_sd3_path: str, tmp_path: Path, *overrides: str) -> list[dict[str, str]]:
     config = yaml.safe_load((REPO / "configs" / "tiny_sd3.yaml").read_text())
     (monitor,) = [
         c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("RLThroughputMonitor")
@@ -58,11 +60,38 @@ def test_tiny_run_logs_every_design_key(tiny_sd3_path, tmp_path):
             "--trainer.logger=CSVLogger",
             f"--trainer.logger.save_dir={tmp_path}",
             f"--trainer.default_root_dir={tmp_path}",
+            *overrides,
         ]
     )
     (metrics,) = tmp_path.glob("lightning_logs/version_*/metrics.csv")
     with open(metrics) as f:
-        rows = list(csv.DictReader(f))
+        return list(csv.DictReader(f))
+
+
+def test_tiny_run_logs_every_design_key(tiny_sd3_path, tmp_path):
+    rows = _run_tiny(tiny_sd3_path, tmp_path)
     seen = {k for row in rows for k, v in row.items() if v != ""}
     missing = [k for k in EXPECTED if k not in seen]
     assert not missing, f"not logged: {missing}"
+
+
+def test_diagnostics_options_from_the_command_line(tiny_sd3_path, tmp_path):
+    rows = _run_tiny(
+        tiny_sd3_path,
+        tmp_path,
+        "--model.init_args.diagnostics.top_k_kl=2",
+        "--model.init_args.diagnostics.clip_gate=none",
+        "--model.init_args.diagnostics.by_step=false",
+        "--trainer.max_steps=2",
+    )
+    steps = [{k: float(v) for k, v in r.items() if v != ""} for r in rows if r.get("actor/loss")]
+    assert steps
+    for row in steps:
+        # The highest-KL record is the maximum the metric reports; records come sorted by KL.
+        assert row["actor/top_kl/0/kl"] == row["actor/kl_max"]
+        assert row["actor/top_kl/0/kl"] >= row["actor/top_kl/1/kl"]
+        # Ungated (CISPO-style) clipping counts every ratio outside the range: the same tokens as
+        # pg_clipfrac, on either side.
+        assert row["actor/clip_ratio_high"] == row["actor/pg_clipfrac_higher"]
+        assert row["actor/clip_ratio_low"] == row["actor/pg_clipfrac_lower"]
+        assert not any(k.startswith("actor_by_step/") for k in row)
