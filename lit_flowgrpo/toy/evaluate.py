@@ -140,7 +140,7 @@ def format_result(result: Mapping[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from lit_flowgrpo.policies.toy import ToyPolicy
+    from lit_flowgrpo.toy.policy import ToyPolicy
     from lit_flowgrpo.toy import world
 
     parser = argparse.ArgumentParser(prog="python -m lit_flowgrpo.toy.evaluate", description=__doc__)
