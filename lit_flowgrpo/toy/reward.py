@@ -18,7 +18,7 @@ from torch import Tensor
 from lit_flowgrpo.rewards.base import register_reward
 from lit_flowgrpo.rewards.images import check_images, to_numpy_hwc
 from lit_flowgrpo.toy.verifier import ShapeVerifier, check_record
-from lit_flowgrpo.toy.world import tokenize
+from lit_flowgrpo.toy.world import VOCAB, unknown_words
 
 
 @register_reward("shapes")
@@ -62,13 +62,17 @@ class ShapesReward:
         out = []
         for i, record in enumerate(records):
             found = []
-            for check, arg in ((tokenize, record.get("prompt", "")), (check_record, dict(record))):
-                try:
-                    check(arg)
-                except ValueError as err:
-                    found.append(str(err))
+            unknown = unknown_words(str(record.get("prompt", "")))
+            if unknown:
+                found.append(f"words outside the toy world's vocabulary {unknown}")
+            try:
+                check_record(dict(record))
+            except ValueError as err:
+                found.append(str(err))
             if found:
-                out.append(f"reward 'shapes': prompt record {i}: " + "; ".join(found))
+                out.append(f"prompt record {i} ({record.get('prompt')!r}): " + "; ".join(found))
+        if any("vocabulary" in p for p in out):
+            out.append(f"the toy world's vocabulary is {list(VOCAB)}")
         return out
 
     def __call__(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> dict[str, Tensor]:
