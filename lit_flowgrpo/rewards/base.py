@@ -109,7 +109,7 @@ class RewardOutput:
 
         A mean over the scored samples alone says nothing of how many there were: log this next to it.
         """
-        return {key: int(torch.isnan(value).sum()) for key, value in self.components.items()}
+        return {key: int((~torch.isfinite(value)).sum()) for key, value in self.components.items()}
 
     def log_dict(self) -> dict[str, float]:
         """Scalars to log for this batch (this rank).
