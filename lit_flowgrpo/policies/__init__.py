@@ -1,9 +1,12 @@
-"""Model families behind one small interface (see :mod:`lit_flowgrpo.policies.base`)."""
+"""Model families behind one small interface (see :mod:`lit_flowgrpo.policies.base`).
+
+The toy world's policy is a plugin: ``lit_flowgrpo.toy.ToyPolicy``.
+"""
 
 from lit_flowgrpo.policies.base import FlowPolicy
 from lit_flowgrpo.policies.flux import FluxPolicy
+from lit_flowgrpo.policies.packed import PackedLatentPolicy
 from lit_flowgrpo.policies.qwenimage import QwenImagePolicy
 from lit_flowgrpo.policies.sd3 import SD3Policy
-from lit_flowgrpo.policies.toy import ToyPolicy
 
-__all__ = ["FlowPolicy", "FluxPolicy", "QwenImagePolicy", "SD3Policy", "ToyPolicy"]
+__all__ = ["FlowPolicy", "FluxPolicy", "PackedLatentPolicy", "QwenImagePolicy", "SD3Policy"]

@@ -16,9 +16,11 @@ import os
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from importlib.metadata import version
 from typing import Literal
 
 import torch
+from packaging.version import Version
 from torch import Tensor, nn
 
 Embeds = dict[str, Tensor]
@@ -38,11 +40,27 @@ MMDIT_ATTENTION_PROJECTIONS = (
     "attn.to_add_out",
 )
 
+#: The sampler settings an image size comes from; :meth:`FlowPolicy.image_size_problems` names them.
+HEIGHT_FLAG = "--model.sampler.height"
+WIDTH_FLAG = "--model.sampler.width"
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
 def resolve_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def pretrained_dtype_kwargs(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The keyword that makes the installed diffusers' ``from_pretrained`` load in ``dtype``.
+
+    diffusers 0.40 renamed ``torch_dtype`` to ``dtype`` (the old name still works there, with a
+    deprecation warning); releases before 0.40 ignore an unknown ``dtype=`` without a word and load
+    fp32. So the name follows the installed version.
+    """
+    if Version(version("diffusers")).release >= (0, 40):
+        return {"dtype": dtype}
+    return {"torch_dtype": dtype}
 
 
 def check_pretrained(pretrained: str, flag: str) -> list[str]:
@@ -116,10 +134,35 @@ class FlowPolicy(nn.Module, ABC):
     default_lora_targets: tuple[str, ...] = ()
     #: Classifier-free guidance in the rollout doubles the transformer batch for this family.
     uses_cfg_batch: bool = True
+    #: Image height and width must be multiples of this for the family's released checkpoints
+    #: (VAE downsampling × patch size), known without reading any config.
+    image_size_multiple: int = 1
+    #: Why: completes "... must be a positive multiple of N for <policy>: ...".
+    image_size_reason: str = ""
 
     def problems(self) -> list[str]:
         """Configuration problems found without loading anything (empty when fine)."""
         return []
+
+    def image_size_problems(self, height: int, width: int) -> list[str]:
+        """Problems with an image size for this family, found before :meth:`load` (empty when fine).
+
+        Checks the family's constant :attr:`image_size_multiple`; once loaded, :meth:`latent_shape`
+        checks the loaded checkpoint's own factors too (a tiny test model may need less).
+        """
+        multiple = self.image_size_multiple
+        why = f" ({self.image_size_reason})" if self.image_size_reason else ""
+        out = []
+        for flag, value in ((HEIGHT_FLAG, height), (WIDTH_FLAG, width)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                out.append(f"{flag} ({value!r}) must be an integer number of pixels")
+            elif value < multiple or value % multiple:
+                nearest = max(multiple, round(value / multiple) * multiple)
+                out.append(
+                    f"{flag} ({value}) must be a positive multiple of {multiple} for {type(self).__name__}"
+                    f"{why}: use {nearest}, for example"
+                )
+        return out
 
     @abstractmethod
     def load(self) -> None:

@@ -1,7 +1,7 @@
 """Qwen-Image behind the :class:`~lit_flowgrpo.policies.base.FlowPolicy` interface.
 
 Qwen-Image shares FLUX's 2×2-packed latents and dynamic-shift schedule
-(:class:`~lit_flowgrpo.policies.flux.PackedLatentPolicy`); what differs:
+(:class:`~lit_flowgrpo.policies.packed.PackedLatentPolicy`); what differs:
 
 - the text encoder is Qwen2.5-VL run on a chat template; the pipeline keeps the last hidden
   state of the tokens after the template's 34-token system prefix, so prompts have **different
@@ -27,7 +27,7 @@ from diffusers import QwenImagePipeline
 from torch import Tensor
 
 from lit_flowgrpo.policies.base import DType, Embeds, embeds_to
-from lit_flowgrpo.policies.flux import PRETRAINED_FLAG, PackedLatentPolicy
+from lit_flowgrpo.policies.packed import PRETRAINED_FLAG, PackedLatentPolicy
 
 
 class QwenImagePolicy(PackedLatentPolicy):

@@ -10,12 +10,15 @@ from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 from torch import Tensor, nn
 
 from lit_flowgrpo.policies.base import (
+    HEIGHT_FLAG,
     MMDIT_ATTENTION_PROJECTIONS,
+    WIDTH_FLAG,
     DType,
     Embeds,
     FlowPolicy,
     check_family,
     check_pretrained,
+    pretrained_dtype_kwargs,
     resolve_dtype,
 )
 
@@ -35,6 +38,8 @@ class SD3Policy(FlowPolicy):
 
     default_lora_targets: tuple[str, ...] = MMDIT_ATTENTION_PROJECTIONS
     pipeline_class = StableDiffusion3Pipeline
+    image_size_multiple: int = 16
+    image_size_reason: str = "the VAE downsamples by 8 and the transformer cuts 2×2 patches"
 
     def __init__(
         self,
@@ -62,7 +67,12 @@ class SD3Policy(FlowPolicy):
     def load(self) -> None:
         if self.pipe is not None:
             return
-        pipe = StableDiffusion3Pipeline.from_pretrained(self.pretrained, dtype=resolve_dtype(self.dtype_name))
+        problems = self.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        pipe = StableDiffusion3Pipeline.from_pretrained(
+            self.pretrained, **pretrained_dtype_kwargs(resolve_dtype(self.dtype_name))
+        )
         pipe.set_progress_bar_config(disable=True)
         for part in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.vae, pipe.transformer):
             if part is not None:
@@ -157,7 +167,7 @@ class SD3Policy(FlowPolicy):
         factor = self.pipe.vae_scale_factor
         if height % (factor * self.pipe.patch_size) or width % (factor * self.pipe.patch_size):
             raise ValueError(
-                f"--model.height/--model.width ({height}x{width}) must be multiples of "
+                f"{HEIGHT_FLAG}/{WIDTH_FLAG} ({height}x{width}) must be multiples of "
                 f"{factor * self.pipe.patch_size} for this model"
             )
         return (self.transformer.config.in_channels, height // factor, width // factor)

@@ -2,14 +2,16 @@
 
 Importing this package registers every built-in family. Optional dependencies (the OCR engine,
 the hub client) are imported when a reward is built or first used, never here, so a missing one
-only fails the reward that needs it.
+only fails the reward that needs it. Plugins register their own rewards when imported: the toy
+world's ``shapes`` reward comes with ``import lit_flowgrpo.toy``.
 """
 
-from lit_flowgrpo.rewards import aesthetic, clip_score, geneval, jpeg, ocr, pickscore, shapes, vlm_judge
+from lit_flowgrpo.rewards import aesthetic, clip_score, geneval, jpeg, ocr, pickscore, vlm_judge
 from lit_flowgrpo.rewards.base import (
     MultiReward,
     Reward,
     RewardOutput,
+    as_reward,
     available_rewards,
     build_reward,
     register_reward,
@@ -23,6 +25,7 @@ __all__ = [
     "Reward",
     "RewardOutput",
     "aesthetic",
+    "as_reward",
     "available_rewards",
     "build_reward",
     "clip_score",
@@ -31,6 +34,5 @@ __all__ = [
     "ocr",
     "pickscore",
     "register_reward",
-    "shapes",
     "vlm_judge",
 ]

@@ -8,7 +8,12 @@ Optional attributes a reward may carry:
 
 - ``primary``: for a dict-valued reward, the component that a bare weight applies to;
 - ``required_metadata``: metadata keys every sample must carry (checked before the first rollout);
-- ``check()``: a start-up check (a remote endpoint answers), called once before the first rollout.
+- ``check()``: a start-up check (a remote endpoint answers), called once before the first rollout;
+- ``problems(records) -> list[str]``: what is wrong with the prompt records (train and val) for this
+  reward, one message per bad record naming its index; called at setup, before any rollout.
+
+:func:`as_reward` turns any reward spec into a :class:`MultiReward`, which checks every output's
+shape where it is produced and returns a :class:`RewardOutput`.
 """
 
 from __future__ import annotations
@@ -32,6 +37,24 @@ class Reward(Protocol):
 
 _REGISTRY: dict[str, Callable[..., Reward]] = {}
 
+#: Rewards that a plugin registers when it is imported, and how to get them. Only text: the core
+#: imports no plugin, so naming one of these without its plugin fails with this hint.
+_PLUGIN_REWARDS = {
+    "shapes": (
+        "the toy world's reward, registered by `import lit_flowgrpo.toy` (a config does that by naming "
+        "one of its classes, e.g. --model.policy.class_path lit_flowgrpo.toy.ToyPolicy)"
+    ),
+}
+
+
+def _unknown(names: Sequence[str]) -> str:
+    """What to do about reward names that are not registered."""
+    hints = "".join(f"; {n!r} is {_PLUGIN_REWARDS[n]}" for n in names if n in _PLUGIN_REWARDS)
+    return (
+        f"registered rewards are {sorted(_REGISTRY)}{hints}; register a new one with "
+        "@lit_flowgrpo.rewards.register_reward"
+    )
+
 
 def register_reward(name: str) -> Callable[[Callable[..., Reward]], Callable[..., Reward]]:
     """Class or factory decorator: make a reward buildable by ``name`` from YAML."""
@@ -54,10 +77,7 @@ def build_reward(name: str, **kwargs: Any) -> Reward:
     """Instantiate the reward registered as ``name`` with ``kwargs``."""
     _import_builtin_rewards()
     if name not in _REGISTRY:
-        raise ValueError(
-            f"unknown reward {name!r}: registered rewards are {sorted(_REGISTRY)}; register a new one "
-            "with @lit_flowgrpo.rewards.register_reward"
-        )
+        raise ValueError(f"unknown reward {name!r}: {_unknown([name])}")
     return _REGISTRY[name](**kwargs)
 
 
@@ -83,6 +103,14 @@ class RewardOutput:
     def valid(self) -> Tensor:
         return torch.isfinite(self.total)
 
+    @property
+    def unscored_count(self) -> dict[str, int]:
+        """Samples each component could not score (NaN), keyed like :attr:`components`.
+
+        A mean over the scored samples alone says nothing of how many there were: log this next to it.
+        """
+        return {key: int((~torch.isfinite(value)).sum()) for key, value in self.components.items()}
+
     def log_dict(self) -> dict[str, float]:
         """Scalars to log for this batch (this rank).
 
@@ -106,20 +134,12 @@ class RewardOutput:
         return out
 
 
-def _as_components(name: str, value: RewardValue, batch: int) -> dict[str, Tensor]:
-    items = value.items() if isinstance(value, Mapping) else [(None, value)]
-    out = {}
-    for key, tensor in items:
-        comp = name if key is None else f"{name}/{key}"
-        tensor = torch.as_tensor(tensor).detach().to("cpu", torch.float32).reshape(-1)
-        if tensor.numel() != batch:
-            raise ValueError(f"reward {comp!r} returned {tensor.numel()} values for a batch of {batch}")
-        out[comp] = tensor
-    return out
-
-
 class MultiReward:
     """Weighted sum of named rewards, each evaluated once per batch.
+
+    Every reward's output is checked where it is produced: a Tensor of shape (B,), or a dict of
+    such tensors, one value per image; anything else raises naming the reward. Values come back fp32
+    on the CPU, non-finite ones as NaN (a failed sample is never turned into a number).
 
     Args:
         weights: ``{name: weight}``. ``name`` is a registered reward (its primary component is
@@ -147,8 +167,7 @@ class MultiReward:
         unknown = sorted({k.split("/", 1)[0] for k in self.weights} - set(built) - set(available_rewards()))
         if unknown:
             raise ValueError(
-                f"--model.reward.weights names unregistered rewards {unknown}: registered rewards are "
-                f"{available_rewards()}; register a new one with @lit_flowgrpo.rewards.register_reward"
+                f"--model.reward.weights names unregistered rewards {unknown}: {_unknown(unknown)}"
             )
         for key in self.weights:
             name = key.split("/", 1)[0]
@@ -163,6 +182,19 @@ class MultiReward:
             check = getattr(reward, "check", None)
             if callable(check):
                 check()
+
+    def problems(self, records: Sequence[Mapping[str, Any]]) -> list[str]:
+        """What the rewards find wrong with these prompt records, each message naming its reward.
+
+        Asks every reward with a ``problems(records)`` hook; call it at setup with the train and val
+        records, so a prompt no reward can score fails before the first rollout.
+        """
+        out = []
+        for name, reward in self.rewards.items():
+            hook = getattr(reward, "problems", None)
+            if callable(hook):
+                out.extend(f"reward {name!r}: {problem}" for problem in hook(records))
+        return out
 
     def required_metadata(self) -> dict[str, tuple[str, ...]]:
         return {n: tuple(getattr(r, "required_metadata", ())) for n, r in self.rewards.items()}
@@ -186,7 +218,8 @@ class MultiReward:
             name, reward = item
             start = time.perf_counter()
             value = reward(images, prompts, metadata)
-            return name, _as_components(name, value, batch), time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            return name, self._components(name, reward, value, batch), seconds
 
         items = list(self.rewards.items())
         if self.max_workers > 1 and len(items) > 1:
@@ -203,9 +236,19 @@ class MultiReward:
             latency[name] = seconds
             failed = torch.zeros(batch, dtype=torch.bool)
             for value in comps.values():
-                failed |= ~torch.isfinite(value)
+                failed |= torch.isnan(value)
             failures[name] = int(failed.sum())
+        total = self._total(components, batch)
+        return RewardOutput(total=total, components=components, latency_s=latency, failures=failures)
 
+    def _components(self, name: str, reward: Reward, value: Any, batch: int) -> dict[str, Tensor]:
+        """One reward's output as ``{name or name/component: (B,) fp32 CPU}``, its shape checked."""
+        return {
+            name if key is None else f"{name}/{key}": tensor
+            for key, tensor in checked_output(value, batch, f"reward {name!r} ({_qualname(reward)})").items()
+        }
+
+    def _total(self, components: dict[str, Tensor], batch: int) -> Tensor:
         total = torch.zeros(batch)
         for key, weight in self.weights.items():
             value = components.get(key)
@@ -220,4 +263,95 @@ class MultiReward:
                 )
             if weight != 0:
                 total = total + weight * value  # NaN propagates: the sample is dropped, never scored 0
-        return RewardOutput(total=total, components=components, latency_s=latency, failures=failures)
+        return total
+
+
+class CallableReward(MultiReward):
+    """A plain reward callable (Python use) behind the :class:`MultiReward` interface.
+
+    A Tensor output is the component ``reward``; a dict output keeps its own component names. The
+    total is the sum of the components. Failures and latency are reported under ``reward``.
+
+    Args:
+        reward: ``(images, prompts, metadata) -> Tensor (B,) | {component: Tensor (B,)}``.
+    """
+
+    def __init__(self, reward: Reward) -> None:
+        # MultiReward's constructor resolves names through the registry; a callable needs none of it.
+        self.weights = {"reward": 1.0}
+        self.max_workers = 1
+        self.rewards = {"reward": reward}
+
+    def _components(self, name: str, reward: Reward, value: Any, batch: int) -> dict[str, Tensor]:
+        found = checked_output(value, batch, f"reward {_qualname(reward)!r}")
+        return {name if key is None else key: tensor for key, tensor in found.items()}
+
+    def _total(self, components: dict[str, Tensor], batch: int) -> Tensor:
+        total = torch.zeros(batch)
+        for value in components.values():
+            total = total + value
+        return total
+
+
+def as_reward(spec: MultiReward | Mapping[str, float] | Reward) -> MultiReward:
+    """The one entry point from a reward setting to an object that returns :class:`RewardOutput`.
+
+    Args:
+        spec: a :class:`MultiReward` (returned as is), a ``{name: weight}`` mapping of registered
+            rewards (a :class:`MultiReward` of them), or a callable ``(images, prompts, metadata) ->
+            Tensor (B,)`` or a dict of named (B,) components (a :class:`CallableReward`).
+
+    Raises:
+        TypeError: ``spec`` is none of these.
+    """
+    if isinstance(spec, MultiReward):
+        return spec
+    if isinstance(spec, Mapping):
+        return MultiReward(dict(spec))
+    if callable(spec):
+        return CallableReward(spec)
+    raise TypeError(
+        f"--model.reward ({type(spec).__name__}) must be a MultiReward, a {{name: weight}} mapping of "
+        "registered rewards, or a callable (images, prompts, metadata) -> Tensor (B,)"
+    )
+
+
+def checked_output(value: Any, batch: int, label: str) -> dict[str | None, Tensor]:
+    """A reward's output as ``{component or None: (B,) fp32 CPU tensor}``, non-finite values as NaN.
+
+    Raises:
+        ValueError, TypeError: naming ``label`` when the output is not one value per image, so a
+            wrong shape fails here and not inside the advantage computation.
+    """
+    if isinstance(value, Mapping):
+        if not value:
+            raise ValueError(
+                f"{label} returned an empty dict: return a Tensor (B,) or a dict of (B,) tensors"
+            )
+        items: list[tuple[str | None, Any]] = list(value.items())
+    else:
+        items = [(None, value)]
+    out: dict[str | None, Tensor] = {}
+    for key, raw in items:
+        where = label if key is None else f"{label}, component {key!r},"
+        try:
+            tensor = torch.as_tensor(raw)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise TypeError(
+                f"{where} returned a {type(raw).__name__}; expected a Tensor of shape (B,) = ({batch},)"
+            ) from err
+        if tuple(tensor.shape) != (batch,):
+            raise ValueError(
+                f"{where} returned shape {tuple(tensor.shape)} for {batch} images; expected (B,) = ({batch},), "
+                "one value per image"
+            )
+        tensor = tensor.detach().to("cpu", torch.float32)
+        out[key] = torch.where(
+            torch.isfinite(tensor), tensor, torch.nan
+        )  # inf is a failure too, never a score
+    return out
+
+
+def _qualname(reward: Any) -> str:
+    """``__qualname__`` of a function, or of the class of a callable object."""
+    return getattr(reward, "__qualname__", None) or type(reward).__qualname__

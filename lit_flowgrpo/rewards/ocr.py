@@ -12,9 +12,10 @@ definition** and a warning names how many prompts were affected. An engine that 
 image is a failure: that sample is NaN (dropped), never 0.
 
 The engine is pluggable: any callable ``engine(image: PIL.Image | np.ndarray) -> str``. The default,
-``"rapidocr"``, is RapidOCR (PaddleOCR's PP-OCR models on ONNX Runtime; the ``ocr`` extra:
-``pip install lit-flowgrpo[ocr]``), whose wheel ships its weights, so nothing is downloaded at run
-time. Flow-GRPO used PaddleOCR itself; RapidOCR runs the same model family without Paddle.
+``"rapidocr"``, is RapidOCR (the ``rapidocr`` package: PaddleOCR's PP-OCR models on ONNX Runtime;
+the ``ocr`` extra: ``pip install lit-flowgrpo[ocr]``), whose wheel ships its weights, so nothing is
+downloaded at run time. Flow-GRPO used PaddleOCR itself; RapidOCR runs the same model family
+without Paddle.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
+from torchmetrics.functional.text import edit_distance
 
 from lit_flowgrpo.rewards.base import register_reward
 from lit_flowgrpo.rewards.images import to_pil
@@ -55,19 +57,8 @@ def normalize_text(text: str) -> str:
 
 
 def levenshtein(a: str, b: str) -> int:
-    """Edit distance (insertions, deletions, substitutions of one character each).
-
-    Written by hand: the standard library has none and the strings are short (one DP row).
-    """
-    if len(a) < len(b):
-        a, b = b, a
-    previous = list(range(len(b) + 1))
-    for i, ca in enumerate(a, start=1):
-        current = [i]
-        for j, cb in enumerate(b, start=1):
-            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
-        previous = current
-    return previous[-1]
+    """Character edit distance (insertions, deletions, substitutions of one character each)."""
+    return int(edit_distance([a], [b], reduction="none")[0])
 
 
 def ocr_score(recognised: str, target: str) -> float:
@@ -81,7 +72,8 @@ def ocr_score(recognised: str, target: str) -> float:
 
 
 class RapidOCREngine:
-    """RapidOCR (``rapidocr-onnxruntime``) as an :data:`OcrEngine`: lines joined without separator.
+    """RapidOCR (the ``rapidocr`` package, on ONNX Runtime) as an :data:`OcrEngine`: the recognised
+    lines joined without separator.
 
     Args:
         min_confidence: lines recognised with a lower confidence are ignored (flow_grpo keeps any
@@ -90,22 +82,23 @@ class RapidOCREngine:
 
     def __init__(self, min_confidence: float = 0.0) -> None:
         try:
-            from rapidocr_onnxruntime import RapidOCR
+            from rapidocr import RapidOCR
         except ImportError as err:
             raise ImportError(
                 f"{_FLAG}.engine='rapidocr' needs the OCR extra: pip install 'lit-flowgrpo[ocr]' "
-                "(rapidocr-onnxruntime), or pass another engine"
+                "(rapidocr and onnxruntime), or pass another engine"
             ) from err
         self.min_confidence = min_confidence
         self._ocr = RapidOCR()
 
     def __call__(self, image: Image.Image | np.ndarray) -> str:
-        if isinstance(image, np.ndarray):
-            image = Image.fromarray(image)  # RGB; RapidOCR converts PIL input to its BGR itself
-        result, _ = self._ocr(image)
-        if not result:
+        rgb = np.asarray(image.convert("RGB") if isinstance(image, Image.Image) else image)
+        # RapidOCR reads an array as OpenCV's BGR (every 3.x release takes arrays; not all take PIL).
+        result = self._ocr(np.ascontiguousarray(rgb[..., ::-1]))
+        texts, scores = getattr(result, "txts", None), getattr(result, "scores", None)
+        if not texts:  # nothing detected: the output carries no lines
             return ""
-        return "".join(text for _, text, confidence in result if float(confidence) > self.min_confidence)
+        return "".join(t for t, c in zip(texts, scores, strict=True) if float(c) > self.min_confidence)
 
 
 def _resolve_engine(engine: str | OcrEngine) -> OcrEngine:

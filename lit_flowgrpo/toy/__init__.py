@@ -1,2 +1,12 @@
-"""The embedded toy world: shapes renderer and prompts (``world``), the verifier behind the ``shapes``
-reward (``verifier``), and the tiny model that learns to draw it."""
+"""The embedded toy world, a plugin above the core: shapes renderer and prompts (``world``), the
+verifier (``verifier``) behind the ``shapes`` reward (``reward``), the tiny model that learns to draw
+it (``model``, ``pretrain``) and its policy (``policy``).
+
+Importing this package registers the ``shapes`` reward; the core (``lit_flowgrpo.policies``,
+``lit_flowgrpo.rewards``, the module) imports nothing from it.
+"""
+
+from lit_flowgrpo.toy.policy import ToyPolicy
+from lit_flowgrpo.toy.reward import ShapesReward
+
+__all__ = ["ShapesReward", "ToyPolicy"]

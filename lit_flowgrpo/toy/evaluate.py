@@ -140,8 +140,8 @@ def format_result(result: Mapping[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from lit_flowgrpo.policies.toy import ToyPolicy
     from lit_flowgrpo.toy import world
+    from lit_flowgrpo.toy.policy import ToyPolicy
 
     parser = argparse.ArgumentParser(prog="python -m lit_flowgrpo.toy.evaluate", description=__doc__)
     parser.add_argument("--checkpoint", default=None, help="toy checkpoint (default: the shipped one)")

@@ -121,14 +121,18 @@ def tokenize(prompt: str) -> list[str]:
     Raises:
         ValueError: listing every word outside :data:`VOCAB`; nothing is dropped silently.
     """
-    words = _WORD.findall(prompt.lower())
-    unknown = [w for w in dict.fromkeys(words) if w not in VOCAB]
+    unknown = unknown_words(prompt)
     if unknown:
         raise ValueError(
             f"prompt {prompt!r} has words outside the toy world's vocabulary: {unknown}; "
             f"known words: {list(VOCAB)}"
         )
-    return words
+    return _WORD.findall(prompt.lower())
+
+
+def unknown_words(prompt: str) -> list[str]:
+    """The words of ``prompt`` outside :data:`VOCAB`, each once, in order of appearance."""
+    return [w for w in dict.fromkeys(_WORD.findall(prompt.lower())) if w not in VOCAB]
 
 
 # ------------------------------------------------------------------ records

@@ -87,7 +87,7 @@ def _render(text: str) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_rapidocr_reads_rendered_text() -> None:
-    pytest.importorskip("rapidocr_onnxruntime")
+    pytest.importorskip("rapidocr")
     images = torch.stack([_render("HELLO 42"), _render("WORLD"), torch.ones(3, 96, 256)])
     prompts = ['a sign that says "hello 42"', 'a poster saying "world peace"', 'a blank page with "text"']
     scores = build_reward("ocr")(images, prompts, [{}] * 3)

@@ -8,9 +8,8 @@ import pytest
 import torch
 from peft import LoraConfig
 
-import lit_flowgrpo.policies.toy as toy_policy_module
+import lit_flowgrpo.toy.policy as toy_policy_module
 from lit_flowgrpo.policies.base import FlowPolicy
-from lit_flowgrpo.policies.toy import ToyPolicy
 from lit_flowgrpo.toy import world
 from lit_flowgrpo.toy.evaluate import evaluate_base
 from lit_flowgrpo.toy.model import (
@@ -23,6 +22,7 @@ from lit_flowgrpo.toy.model import (
     read_checkpoint_metadata,
     save_checkpoint,
 )
+from lit_flowgrpo.toy.policy import ToyPolicy
 
 TINY = ToyModelConfig(
     block_out_channels=(8, 16),

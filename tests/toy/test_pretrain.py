@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from lit_flowgrpo.cli import main as cli_main
-from lit_flowgrpo.policies.toy import ToyPolicy
 from lit_flowgrpo.toy import world
 from lit_flowgrpo.toy.model import ToyModelConfig, predict_velocity, read_checkpoint_metadata
+from lit_flowgrpo.toy.policy import ToyPolicy
 from lit_flowgrpo.toy.pretrain import ToyPretrainModule, ToyShapesDataModule, ToyShapesDataset
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "toy_pretrain.yaml")

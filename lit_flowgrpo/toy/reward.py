@@ -1,4 +1,5 @@
-"""``shapes``: the verifiable reward of the embedded toy world (``lit_flowgrpo.toy``).
+"""``shapes``: the verifiable reward of the embedded toy world, registered when ``lit_flowgrpo.toy``
+is imported (a config does that by naming ``lit_flowgrpo.toy.ToyPolicy``).
 
 A GenEval-style check with no learned parts: colour segmentation, connected components, a shape
 classifier, exact counts and bounding-box relations (``lit_flowgrpo.toy.verifier`` has the rules
@@ -9,12 +10,15 @@ object counting as a failed one). ``strict`` is the primary component.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 from torch import Tensor
 
 from lit_flowgrpo.rewards.base import register_reward
 from lit_flowgrpo.rewards.images import check_images, to_numpy_hwc
-from lit_flowgrpo.toy.verifier import ShapeVerifier
+from lit_flowgrpo.toy.verifier import ShapeVerifier, check_record
+from lit_flowgrpo.toy.world import VOCAB, unknown_words
 
 
 @register_reward("shapes")
@@ -47,6 +51,29 @@ class ShapesReward:
         self.verifier = ShapeVerifier(
             brightness=brightness, chroma_tolerance=chroma_tolerance, min_area=min_area
         )
+
+    def problems(self, records: Sequence[Mapping]) -> list[str]:
+        """Every prompt record this reward cannot score, each named by its index in ``records``.
+
+        A record must carry a prompt in the toy world's vocabulary (the toy model cannot encode any
+        other word) and GenEval-style metadata the verifier can read. Checked at setup, so a bad
+        line fails before the first rollout instead of when a rollout first draws it.
+        """
+        out = []
+        for i, record in enumerate(records):
+            found = []
+            unknown = unknown_words(str(record.get("prompt", "")))
+            if unknown:
+                found.append(f"words outside the toy world's vocabulary {unknown}")
+            try:
+                check_record(dict(record))
+            except ValueError as err:
+                found.append(str(err))
+            if found:
+                out.append(f"prompt record {i} ({record.get('prompt')!r}): " + "; ".join(found))
+        if any("vocabulary" in p for p in out):
+            out.append(f"the toy world's vocabulary is {list(VOCAB)}")
+        return out
 
     def __call__(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> dict[str, Tensor]:
         """``{"strict": (B,), "partial": (B,)}`` fp32; NaN for an image with non-finite pixels."""

@@ -1,4 +1,4 @@
-"""The toy policy: the tiny pixel-space text-to-image model of :mod:`lit_flowgrpo.toy`.
+"""The toy policy: the tiny pixel-space text-to-image model of the shapes world.
 
 It implements the same :class:`~lit_flowgrpo.policies.base.FlowPolicy` interface as the SD3 policy,
 so the RL loop runs the very code path real models use. Latents ARE the pixels, (3, H, W) in
@@ -16,7 +16,15 @@ import torch
 from diffusers import UNet2DConditionModel
 from torch import Tensor, nn
 
-from lit_flowgrpo.policies.base import DType, Embeds, FlowPolicy, cat_embeds, resolve_dtype
+from lit_flowgrpo.policies.base import (
+    HEIGHT_FLAG,
+    WIDTH_FLAG,
+    DType,
+    Embeds,
+    FlowPolicy,
+    cat_embeds,
+    resolve_dtype,
+)
 from lit_flowgrpo.toy.model import (
     REGENERATE_HINT,
     ToyTextEncoder,
@@ -43,6 +51,10 @@ class ToyPolicy(FlowPolicy):
     # of every U-Net block, so a LoRA can change both what the image attends to and how it draws.
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "conv1", "conv2")
     uses_cfg_batch = True
+    image_size_multiple = 4
+    image_size_reason = (
+        "the shipped U-Net halves the resolution at 2 of its 3 levels; it was trained at 32x32"
+    )
 
     def __init__(self, pretrained: str | None = None, dtype: DType = "float32", shift: float = 1.0) -> None:
         super().__init__()
@@ -148,7 +160,7 @@ class ToyPolicy(FlowPolicy):
         factor = 2 ** (levels - 1)  # each U-Net level but the last halves the resolution
         if height % factor or width % factor:
             raise ValueError(
-                f"the toy model needs height and width divisible by {factor}, got {height}x{width}: "
-                "use 32x32, the size it was trained at"
+                f"{HEIGHT_FLAG}/{WIDTH_FLAG} ({height}x{width}): the toy model needs both divisible by "
+                f"{factor}: use 32x32, the size it was trained at"
             )
         return (3, height, width)
