@@ -36,7 +36,7 @@ from lit_flowgrpo.lora import LoraSettings, TrainableWeights
 from lit_flowgrpo.metrics import DiagnosticsSettings, PolicyRatioStats, RewardGroupStats
 from lit_flowgrpo.objective import FlowGRPO, Objective, ScoredStep
 from lit_flowgrpo.policies.base import FlowPolicy, index_embeds
-from lit_flowgrpo.rewards.base import MultiReward, RewardOutput
+from lit_flowgrpo.rewards.base import MultiReward, RewardOutput, as_reward
 from lit_flowgrpo.rollout import Sampler, Trajectory
 from lit_flowgrpo.step_output import STAGES, StepOutput, ValidationOutput
 
@@ -125,7 +125,7 @@ class FlowGRPOModule(L.LightningModule):
         self.objective = FlowGRPO() if objective is None else objective
         self.weights = TrainableWeights(lora, reference_copy=reference_copy, seed=seed)
         self.policy = policy
-        self.reward = reward if not isinstance(reward, dict) else MultiReward(reward)
+        self.reward = as_reward(reward)
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.seed = seed
@@ -168,9 +168,7 @@ class FlowGRPOModule(L.LightningModule):
         p = self.sampler.problems() + self.advantage.problems() + self.update.problems()
         p += self.objective.problems(self.sampler.sde_type)
         p += self.weights.problems(self.objective.uses_reference)
-        p += self.policy.problems()
-        if not callable(self.reward):
-            p.append("--model.reward must be a reward, a {name: weight} mapping or a callable")
+        p += self.policy.problems() + self.policy.image_size_problems(self.sampler.height, self.sampler.width)
         weights = getattr(self.reward, "weights", None)
         if isinstance(weights, dict) and weights and not any(weights.values()):
             p.append(f"--model.reward.weights are all 0 ({weights}): the reward is 0 by construction")
@@ -271,20 +269,7 @@ class FlowGRPOModule(L.LightningModule):
         return time.perf_counter()
 
     def _score(self, images: Tensor, batch: PromptBatch) -> RewardOutput:
-        out = self.reward(images, list(batch.prompts), list(batch.metadata))
-        if not isinstance(out, RewardOutput):  # a plain callable
-            comps = out if isinstance(out, dict) else {"reward": out}
-            comps = {k: torch.as_tensor(v, dtype=torch.float32).reshape(-1).cpu() for k, v in comps.items()}
-            for name, value in comps.items():
-                if value.shape != (len(batch),):
-                    raise ValueError(
-                        f"reward {getattr(self.reward, '__name__', type(self.reward).__name__)!r} "
-                        f"returned {name!r} with {value.numel()} values for a batch of {len(batch)}: "
-                        f"a reward returns a Tensor of shape ({len(batch)},) or a dict of them"
-                    )
-            total = sum(comps.values()) if isinstance(out, dict) else comps["reward"]
-            out = RewardOutput(total=total, components=comps)
-        return out
+        return self.reward(images, list(batch.prompts), list(batch.metadata))
 
     def _advantages(self, rewards: RewardOutput, batch: PromptBatch) -> tuple[Tensor, Tensor]:
         """Group advantages from every rank's rewards; returns this rank's (advantages, keep mask)."""

@@ -250,6 +250,11 @@ def test_unscorable_batches_stop_the_run_instead_of_spinning(tiny_sd3_path, prom
     assert trainer.global_step == 0
 
 
+def test_bad_image_size_fails_before_loading(tiny_sd3_path):
+    with pytest.raises(ValueError, match=r"--model.sampler.height \(33\) must be a positive multiple of 16"):
+        make_module(tiny_sd3_path, height=33)
+
+
 def test_all_zero_reward_weights_are_refused(tiny_sd3_path):
     with pytest.raises(ValueError, match=r"--model.reward.weights are all 0"):
         make_module(tiny_sd3_path, reward={"jpeg_compressibility": 0.0})
@@ -262,7 +267,7 @@ def test_wrong_reward_shape_names_the_reward(tiny_sd3_path, prompt_file, tmp_pat
     module = make_module(tiny_sd3_path, reward=one_number)
     trainer = make_trainer(tmp_path, max_steps=2)
     with pytest.raises(
-        ValueError, match=r"reward 'one_number' returned .* 1 values for a batch of 8: .*\(8,\)"
+        ValueError, match=r"reward '.*one_number' returned shape \(\) for 8 images; expected \(B,\) = \(8,\)"
     ):
         trainer.fit(module, datamodule=make_data(prompt_file))
 
