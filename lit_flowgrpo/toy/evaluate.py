@@ -9,7 +9,6 @@ pretraining (the base should leave room to learn) and to compare a fine-tuned mo
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -21,6 +20,7 @@ from torch import Tensor
 
 from lit_flowgrpo.policies.base import FlowPolicy
 from lit_flowgrpo.rewards.base import build_reward
+from lit_flowgrpo.rollout import Sampler
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -28,7 +28,6 @@ def sample_seed(seed: int, index: int) -> int:
     return int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
 
 
-@torch.no_grad()
 def sample_images(
     policy: FlowPolicy,
     prompts: Sequence[str],
@@ -42,30 +41,22 @@ def sample_images(
 ) -> Tensor:
     """Images (N, 3, H, W) in [0, 1] on the CPU, sampled with the deterministic Euler ODE.
 
-    Row i starts from the CPU-drawn noise of ``noise_seeds[i]``, so results do not depend on the
-    batch size or the device.
+    The training run's own validation sampler; row i starts from the CPU-drawn noise of
+    ``noise_seeds[i]``, so results do not depend on the batch size or the device.
     """
     if len(prompts) != len(noise_seeds):
         raise ValueError(
             f"{len(prompts)} prompts but {len(noise_seeds)} noise seeds: give one seed per prompt"
         )
-    device = next(policy.transformer.parameters()).device
-    shape = policy.latent_shape(height, width)
-    sigmas = policy.sigmas(num_steps, height, width).tolist()
-    out = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = list(prompts[start : start + batch_size])
-        seeds = noise_seeds[start : start + batch_size]
-        x = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds]).to(
-            device
-        )
-        embeds = policy.encode_prompts(chunk)
-        for sigma, sigma_next in itertools.pairwise(sigmas):
-            v = policy.velocity(x, torch.full((len(chunk),), sigma, device=device), embeds, guidance_scale)
-            # Euler step of the flow ODE dx/dσ = v (diffusers' FlowMatchEulerDiscreteScheduler.step).
-            x = x + (sigma_next - sigma) * v
-        out.append(policy.decode(x).cpu())
-    return torch.cat(out)
+    sampler = Sampler(
+        eval_num_steps=num_steps,
+        guidance_scale=guidance_scale,
+        height=height,
+        width=width,
+        batch_size=batch_size,
+    )
+    seeds = torch.tensor(list(noise_seeds), dtype=torch.int64)
+    return sampler.evaluate(policy, list(prompts), seeds, noise_device="cpu", to_cpu=True)
 
 
 def evaluate_base(
