@@ -205,9 +205,12 @@ class FlowGRPOModule(L.LightningModule):
                             f"reward {name!r} needs metadata field {key!r}, missing in {missing} of "
                             f"{len(records)} prompts: use a .jsonl prompt file whose records carry it"
                         )
-            check_records = getattr(self.reward, "problems", None)
-            if callable(check_records):
-                problems.extend(check_records(records))
+            # Every prompt the run will draw is checked now, not when a rollout first draws it.
+            for flag, part in (("--data.train", "train_records"), ("--data.val", "val_records")):
+                found = self.reward.problems(list(getattr(dm, part, None) or []))
+                problems += [f"{flag}: {line}" for line in found[:10]]
+                if len(found) > 10:
+                    problems.append(f"{flag}: ... and {len(found) - 10} more")
         if problems:
             raise ValueError("invalid settings:\n  " + "\n  ".join(problems))
         check = getattr(self.reward, "check", None)

@@ -33,3 +33,32 @@ def test_each_bad_record_is_named_with_its_index_and_reason() -> None:
     # Through the weighted sum, as the module's setup calls it: each message names the reward.
     multi = MultiReward({"shapes": 1.0})
     assert multi.problems(records) == [f"reward 'shapes': {p}" for p in problems]
+
+
+def test_module_setup_names_bad_prompts_before_loading(tmp_path) -> None:
+    import json
+
+    import lightning as L
+    import pytest
+
+    from lit_flowgrpo import FlowGRPOModule, PromptDataModule, Sampler, UpdateSettings
+    from lit_flowgrpo.toy import ToyPolicy
+
+    records = world.load_prompts("train")[:8]
+    records[5] = {**records[5], "prompt": "a red dragon"}
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in records))
+    module = FlowGRPOModule(
+        policy=ToyPolicy(),
+        reward={"shapes/strict": 1.0},
+        sampler=Sampler(num_steps=2, eval_num_steps=2, height=32, width=32),
+        update=UpdateSettings(micro_batch_size=4),
+        lora=None,
+    )
+    data = PromptDataModule(train=str(train), prompts_per_step=2, group_size=2)
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False)
+    with pytest.raises(
+        ValueError, match=r"--data.train: reward 'shapes': prompt record 5 \('a red dragon'\)"
+    ):
+        trainer.fit(module, datamodule=data)
+    assert not module._configured  # failed in setup, before configure_model read any weight
