@@ -10,7 +10,8 @@ Model and data are chosen by ``class_path`` (``FlowGRPOModule`` for RL, the toy 
 module for the base model), and scale comes from the Trainer's own flags
 (``--trainer.strategy=ddp|fsdp``, ``--trainer.devices``, ``--trainer.num_nodes``).
 
-What this adds to LightningCLI, all before any class is instantiated (so before any weight is read):
+What this adds to LightningCLI (the checks run before any class is instantiated, so before any
+weight is read):
 
 - ``export`` as a subcommand like ``fit``: same config, same overrides, listed in ``--help``;
 - Lightning's automatic-optimization flags, which a manually optimized FlowGRPOModule cannot honour,
@@ -93,9 +94,10 @@ class FlowGRPOTrainer(L.Trainer):
             weights_only: unused; accepted so that the ``config.yaml`` a ``fit`` run saved loads as is.
         """
         del datamodule, weights_only
-        assert ckpt_path is not None and out is not None  # checked by FlowGRPOCLI before instantiation
+        if ckpt_path is None or out is None:
+            raise ValueError("export needs ckpt_path (a checkpoint written by `fit`) and out (a folder)")
         model.load_trainable_checkpoint(ckpt_path, use_ema=use_ema)
-        # TODO(lead): drop the fallback once FlowGRPOModule.export (LoRA adapter or transformer) lands.
+        # Until the module has `export` (adapter or transformer folder), only LoRA runs can be exported.
         write = getattr(model, "export", None) or model.export_lora
         write(out)
         rank_zero_info(f"exported {ckpt_path} to {out}")
@@ -196,11 +198,11 @@ class FlowGRPOCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if not subcommand or not self.config[subcommand].get("ckpt_path"):
             return
-        cfg = self.config[subcommand]
         given = self.config.clone()
         super()._parse_ckpt_path()
         settings = _differences(given[subcommand].get("model"), self.config[subcommand].get("model"))
         self.config = given
+        cfg = given[subcommand]
         optimizer = _optimizer_differences(cfg)
         if not settings and not optimizer:
             return
@@ -208,15 +210,20 @@ class FlowGRPOCLI(LightningCLI):
             [f"--model.{key}: command line {new!r}, checkpoint {old!r}" for key, new, old in settings]
             + [f"{key}: command line {new!r}, checkpoint {old!r}" for key, new, old in optimizer]
         )
-        if optimizer or not cfg.get(OVERRIDE_FLAG):
-            why = (
-                f"\nThe optimizer's settings come back with its state from the checkpoint whatever the "
-                f"command line says (--{OVERRIDE_FLAG} cannot change them): resume with the checkpoint's, "
-                "or start a new run."
-                if optimizer
-                else f"\nResume with the checkpoint's values (drop these overrides, or use the run's "
-                f"config.yaml), or pass --{OVERRIDE_FLAG}=true to run with the command line's."
-            )
+        opted_in = bool(cfg.get(OVERRIDE_FLAG))
+        if optimizer or not opted_in:
+            why = ""
+            if settings and not opted_in:
+                why += (
+                    "\nResume with the checkpoint's values (drop these overrides, or use the run's config.yaml), "
+                    f"or pass --{OVERRIDE_FLAG}=true to run with the command line's module settings."
+                )
+            if optimizer:
+                why += (
+                    "\nThe optimizer's settings come back with its state from the checkpoint whatever the "
+                    f"command line says (--{OVERRIDE_FLAG} cannot change them): drop these overrides, or "
+                    "start a new run."
+                )
             raise SettingsError(
                 f"--ckpt_path ({cfg.ckpt_path}) was written with other settings than this command line's:"
                 f"\n  {lines}{why}"
