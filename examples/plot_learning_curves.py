@@ -5,10 +5,11 @@ of unseen prompts), over rollout batches, one colour per run:
 
     lit-flowgrpo fit --config configs/quickstart.yaml
     lit-flowgrpo fit --config configs/quickstart_guard.yaml
-    python examples/plot_learning_curves.py runs/quickstart runs/quickstart_guard --out curves.png
+    python examples/plot_learning_curves.py runs/quickstart runs/quickstart_guard
 
 Each argument is a run folder holding a CSVLogger ``metrics.csv`` (the newest one below it is used).
-Needs matplotlib (``pip install matplotlib``).
+The picture goes next to the first run's ``metrics.csv`` unless ``--out`` says where.
+Needs matplotlib (``pip install 'lit-flowgrpo[plot]'``).
 """
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ import csv
 from pathlib import Path
 
 
-def read_series(run: Path, key: str) -> tuple[list[int], list[float]]:
+def newest_metrics(run: Path) -> Path:
     files = sorted(run.rglob("metrics.csv"), key=lambda p: p.stat().st_mtime)
     if not files:
         raise SystemExit(f"{run}: no metrics.csv below it (run with the CSV logger)")
+    return files[-1]
+
+
+def read_series(run: Path, key: str) -> tuple[list[int], list[float]]:
     steps, values = [], []
-    with open(files[-1]) as f:
+    with open(newest_metrics(run)) as f:
         for row in csv.DictReader(f):
             if row.get(key):
                 steps.append(int(float(row["step"])))
@@ -40,8 +45,13 @@ def main() -> None:
     parser.add_argument(
         "--smooth", type=int, default=5, help="moving average of the proxy over this many rollouts"
     )
-    parser.add_argument("--out", default="learning_curves.png")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="picture to write (default: learning_curves.png beside the first run's metrics)",
+    )
     opts = parser.parse_args()
+    out = opts.out or newest_metrics(opts.runs[0]).parent / "learning_curves.png"
 
     import matplotlib
 
@@ -67,8 +77,8 @@ def main() -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(opts.out, dpi=120)
-    print(f"wrote {opts.out}")
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -1,73 +1,501 @@
 """``lit-flowgrpo``: LightningCLI over any LightningModule / LightningDataModule, plus ``export``.
 
     lit-flowgrpo fit --config configs/quickstart.yaml
-    lit-flowgrpo validate --config configs/tiny_sd3.yaml --ckpt_path last.ckpt
+    lit-flowgrpo fit --config configs/tiny_sd3.yaml --ckpt_path last
+    lit-flowgrpo validate --config configs/tiny_sd3.yaml --ckpt_path last
     lit-flowgrpo fit --config configs/tiny_sd3.yaml --print_config
-    lit-flowgrpo export --config run/config.yaml --ckpt_path last.ckpt --out lora/
+    lit-flowgrpo export --config RUN/config.yaml --ckpt_path last --out exported/
 
 Model and data are chosen by ``class_path`` (``FlowGRPOModule`` for RL, the toy pretraining
 module for the base model), and scale comes from the Trainer's own flags
 (``--trainer.strategy=ddp|fsdp``, ``--trainer.devices``, ``--trainer.num_nodes``).
+
+What this adds to LightningCLI (the checks run before any class is instantiated, so before any
+weight is read):
+
+- ``export`` as a subcommand like ``fit``: same config, same overrides, listed in ``--help``;
+- Lightning's automatic-optimization flags, which a manually optimized FlowGRPOModule cannot honour,
+  are refused with the flag that does the job;
+- ``--ckpt_path`` must name an existing, complete checkpoint; ``last`` finds the run's newest
+  ``last*.ckpt`` (a ModelCheckpoint without ``dirpath`` is kept in
+  ``<trainer.default_root_dir>/checkpoints`` rather than in a new ``version_N`` folder per run, where
+  ``last`` would never find it: Lightning #18524);
+- a resumed run whose settings differ from the checkpoint's is refused, listing the differences,
+  unless ``--override_checkpoint_settings=true`` (then the command line's values apply);
+- a constructor's own error is reported once, without jsonargparse's wrapping;
+- the full resolved config goes to every logger and to ``config.yaml`` in the run's own log folder.
 """
 
 from __future__ import annotations
 
-import argparse
+import importlib
+import os
+import re
 import sys
+import zipfile
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import lightning as L
-from lightning.pytorch.cli import LightningCLI
+import yaml
+from jsonargparse import Namespace
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+# The FlowGRPOModule flags that do what Lightning's automatic-optimization flags would do: the module
+# optimizes manually (one rollout feeds several optimizer steps), so the Trainer's versions cannot apply.
+MAX_GRAD_NORM_FLAG = "--model.init_args.update.max_grad_norm"
+OPTIMIZER_STEPS_FLAG = "--model.init_args.update.optimizer_steps_per_rollout"
+OPTIMIZER_FLAG = "--model.init_args.optimizer"
+LR_SCHEDULER_FLAG = "--model.init_args.lr_scheduler"
+
+OVERRIDE_FLAG = "override_checkpoint_settings"
+# `--ckpt_path` values Lightning resolves itself (checkpoint_connector); "last" is resolved here first.
+_SPECIAL_CKPT_PATHS = ("best", "hpc")
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+class SettingsError(ValueError):
+    """A setting the CLI refuses before anything is instantiated, or a constructor's own ``ValueError``.
+
+    ``main()`` prints its message alone (no traceback) and exits with status 2, like a parser error.
+    """
+
+
+class FlowGRPOTrainer(L.Trainer):
+    """Lightning's Trainer with one more method, ``export``.
+
+    LightningCLI makes a subcommand of a Trainer method named in ``subcommands()``: the method's
+    signature and docstring become the subcommand's flags and ``--help``, and it is called with the
+    model the config describes. That is why ``export`` lives here rather than in a separate parser:
+    it then reads a run's ``config.yaml`` and takes ``--model.…`` overrides exactly as ``fit`` does.
+    """
+
+    def export(
+        self,
+        model: L.LightningModule,
+        datamodule: L.LightningDataModule | None = None,
+        ckpt_path: str | None = None,
+        out: str | None = None,
+        use_ema: bool = True,
+        weights_only: bool | None = None,
+    ) -> None:
+        """Write a checkpoint's trained weights for diffusers: a LoRA adapter or a transformer folder.
+
+        Args:
+            model: the run's module (from ``--config`` and ``--model.…`` overrides).
+            datamodule: unused (export reads no data).
+            ckpt_path: a checkpoint written by ``fit``, or ``last`` for the run's newest one.
+            out: folder to write: a LoRA run's adapter (``pipeline.load_lora_weights(out)``), a full
+                fine-tune's transformer (``from_pretrained(out)``).
+            use_ema: export the EMA weights if the checkpoint has them.
+            weights_only: unused; accepted so that the ``config.yaml`` a ``fit`` run saved loads as is.
+        """
+        del datamodule, weights_only
+        if ckpt_path is None or out is None:
+            raise ValueError("export needs ckpt_path (a checkpoint written by `fit`) and out (a folder)")
+        model.load_trainable_checkpoint(ckpt_path, use_ema=use_ema)
+        # Until the module has `export` (adapter or transformer folder), only LoRA runs can be exported.
+        write = getattr(model, "export", None) or model.export_lora
+        write(out)
+        rank_zero_info(f"exported {ckpt_path} to {out}")
+
+
+class LogRunConfig(SaveConfigCallback):
+    """The resolved config to every logger (flattened, one key per flag) and to ``config.yaml`` in the
+    run's own log folder.
+
+    Lightning's default writes to ``trainer.log_dir``, which for W&B (and without a logger) is a folder
+    every run of the config shares, hence the ``overwrite`` it needed; and the loggers only ever saw the
+    module's scalar arguments.
+    """
+
+    def __init__(self, parser: LightningArgumentParser, config: Namespace, **kwargs: Any) -> None:
+        super().__init__(parser, config, save_to_log_dir=False, **kwargs)
+
+    def save_config(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Rank zero only (Lightning calls this there): no collective calls below.
+        dumped = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
+        flat = _flatten(dumped)
+        for logger in trainer.loggers:
+            logger.log_hyperparams(flat)  # starts a W&B run, so its id (the folder name) is known below
+        folder = Path(_run_dir(trainer))
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / self.config_filename
+        stem, suffix = path.stem, path.suffix
+        n = 0
+        while path.exists():  # a resumed run logging into the same folder keeps the earlier config
+            n += 1
+            path = folder / f"{stem}-{n}{suffix}"
+        self.parser.save(self.config, str(path), skip_none=False, multifile=self.multifile)
 
 
 class FlowGRPOCLI(LightningCLI):
-    """LightningCLI with subclass mode for model and data and the config saved beside each run."""
+    """LightningCLI with subclass mode for model and data, the ``export`` subcommand, and the checks above."""
 
     def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
         super().__init__(
             L.LightningModule,
             L.LightningDataModule,
+            save_config_callback=LogRunConfig,
+            trainer_class=FlowGRPOTrainer,
             subclass_mode_model=True,
             subclass_mode_data=True,
-            save_config_kwargs={"overwrite": True},
             args=list(args) if args is not None else None,
             run=run,
         )
 
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        return {**LightningCLI.subcommands(), "export": {"model", "datamodule"}}
 
-def export(argv: Sequence[str]) -> None:
-    """Write the LoRA adapter of a checkpoint as a diffusers-loadable folder."""
-    parser = argparse.ArgumentParser(
-        prog="lit-flowgrpo export",
-        description="Export a checkpoint's LoRA adapter (EMA weights if the checkpoint has them) "
-        "for diffusers' `pipeline.load_lora_weights`.",
-    )
-    parser.add_argument("--config", required=True, help="the run's config (the one `fit` used or saved)")
-    parser.add_argument("--ckpt_path", required=True, help="a checkpoint written by `fit`")
-    parser.add_argument("--out", required=True, help="folder to write the adapter to")
-    parser.add_argument(
-        "--no_ema", action="store_true", help="export the raw weights even if EMA weights exist"
-    )
-    opts = parser.parse_args(list(argv))
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            f"--{OVERRIDE_FLAG}",
+            type=bool,
+            default=False,
+            help="With --ckpt_path: run with this command line's module settings where they differ from "
+            "the checkpoint's. Without it such a run is refused, listing the differences (Lightning "
+            "would otherwise silently take the checkpoint's values).",
+        )
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        # main() always hands the words over as `args`, so LightningCLI's note about `args` and
+        # `sys.argv` both being set would print on every run: parse without it.
+        if isinstance(args, (dict, Namespace)):
+            self.config = parser.parse_object(args)
+        else:
+            self.config = parser.parse_args(args)
+        subcommand = self.config.get("subcommand")
+        if subcommand:
+            self._check_before_instantiation(subcommand, self.config[subcommand])
+
+    # ----------------------------------------------------------------------------------------------
+    # Checks on the parsed config, before any class is instantiated
+    # ----------------------------------------------------------------------------------------------
+
+    def _check_before_instantiation(self, subcommand: str, cfg: Namespace) -> None:
+        model_class = _import(cfg.model.class_path) if cfg.get("model") else None
+        flowgrpo = model_class is not None and _is_flowgrpo(model_class)
+        problems = _manual_optimization_problems(cfg) if flowgrpo else []
+        if subcommand == "export":
+            problems += _export_problems(cfg, flowgrpo)
+        _pin_checkpoint_dirs(cfg)
+        if cfg.get("ckpt_path"):
+            try:
+                cfg.ckpt_path = _resolve_ckpt_path(cfg.ckpt_path, cfg)
+            except SettingsError as err:
+                problems.append(str(err))
+        if problems:
+            raise SettingsError("\n  ".join(problems))
+
+    def _parse_ckpt_path(self) -> None:
+        # Lightning lays the checkpoint's hyper-parameters over the parsed config, so a setting changed
+        # on the command line of a resumed run is silently replaced by the checkpoint's. Let it compute
+        # that overlay, then keep the command line and report what the overlay would have changed.
+        subcommand = self.config.get("subcommand")
+        if not subcommand or not self.config[subcommand].get("ckpt_path"):
+            return
+        given = self.config.clone()
+        super()._parse_ckpt_path()
+        settings = _differences(given[subcommand].get("model"), self.config[subcommand].get("model"))
+        self.config = given
+        cfg = given[subcommand]
+        optimizer = _optimizer_differences(cfg)
+        if not settings and not optimizer:
+            return
+        lines = "\n  ".join(
+            [f"--model.{key}: command line {new!r}, checkpoint {old!r}" for key, new, old in settings]
+            + [f"{key}: command line {new!r}, checkpoint {old!r}" for key, new, old in optimizer]
+        )
+        opted_in = bool(cfg.get(OVERRIDE_FLAG))
+        if optimizer or not opted_in:
+            why = ""
+            if settings and not opted_in:
+                why += (
+                    "\nResume with the checkpoint's values (drop these overrides, or use the run's config.yaml), "
+                    f"or pass --{OVERRIDE_FLAG}=true to run with the command line's module settings."
+                )
+            if optimizer:
+                why += (
+                    "\nThe optimizer's settings come back with its state from the checkpoint whatever the "
+                    f"command line says (--{OVERRIDE_FLAG} cannot change them): drop these overrides, or "
+                    "start a new run."
+                )
+            raise SettingsError(
+                f"--ckpt_path ({cfg.ckpt_path}) was written with other settings than this command line's:"
+                f"\n  {lines}{why}"
+            )
+        rank_zero_warn(f"--{OVERRIDE_FLAG}: the command line's settings replace the checkpoint's:\n  {lines}")
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except Exception as err:
+            own = _own_error(err)
+            if own is err or not isinstance(own, ValueError):
+                raise
+            # jsonargparse re-raises a constructor's error inside a "Does not validate against any of
+            # the Union subtypes" error that repeats it and dumps the whole Namespace: keep ours only.
+            raise SettingsError(str(own)) from own
+
+    def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
+        if self.subcommand == "export":
+            # Export reads a checkpoint and writes files: it needs none of the run's devices, so a run
+            # trained on GPUs exports on any machine.
+            kwargs = {"accelerator": "cpu", "devices": 1, "num_nodes": 1, "strategy": "auto", **kwargs}
+        return super().instantiate_trainer(**kwargs)
+
+    def before_instantiate_classes(self) -> None:
+        if self.subcommand == "export":
+            # Nothing of the run's data, logger or callbacks takes part in an export: don't build them
+            # (the prompt files and the tracker need not exist on the exporting machine).
+            cfg = self.config.export
+            cfg.data = Namespace(class_path="lightning.pytorch.LightningDataModule", init_args=Namespace())
+            cfg.trainer.logger = False
+            cfg.trainer.callbacks = []
+            cfg.trainer.enable_checkpointing = False
+
+
+def _is_flowgrpo(model_class: type) -> bool:
     from lit_flowgrpo.module import FlowGRPOModule
 
-    cli = FlowGRPOCLI(args=["--config", opts.config], run=False)
-    module = cli.model
-    if not isinstance(module, FlowGRPOModule):
-        raise SystemExit(f"--config ({opts.config}) does not train a FlowGRPOModule: nothing to export")
-    module.load_trainable_checkpoint(opts.ckpt_path, use_ema=not opts.no_ema)
-    module.export_lora(opts.out)
-    print(f"wrote the LoRA adapter to {opts.out}")
+    return isinstance(model_class, type) and issubclass(model_class, FlowGRPOModule)
+
+
+def _import(class_path: str) -> Any:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _manual_optimization_problems(cfg: Namespace) -> list[str]:
+    trainer = cfg.get("trainer") or Namespace()
+    problems = []
+    if trainer.get("gradient_clip_val") not in (None, 0, 0.0):
+        problems.append(
+            f"--trainer.gradient_clip_val ({trainer.gradient_clip_val}) does not apply to FlowGRPOModule, "
+            f"which steps its optimizer itself: set {MAX_GRAD_NORM_FLAG} instead"
+        )
+    if trainer.get("accumulate_grad_batches", 1) != 1:
+        problems.append(
+            f"--trainer.accumulate_grad_batches ({trainer.accumulate_grad_batches}) does not apply to "
+            "FlowGRPOModule: one rollout batch feeds several optimizer steps, with gradients accumulated "
+            f"in between; set {OPTIMIZER_STEPS_FLAG} instead"
+        )
+    if cfg.get("optimizer") is not None:
+        problems.append(
+            f"--optimizer does not apply to FlowGRPOModule, which builds its optimizer over its trainable "
+            f"weights only: set {OPTIMIZER_FLAG} instead (e.g. {OPTIMIZER_FLAG}=torch.optim.SGD "
+            f"{OPTIMIZER_FLAG}.init_args.lr=1e-4)"
+        )
+    if cfg.get("lr_scheduler") is not None:
+        problems.append(f"--lr_scheduler does not apply to FlowGRPOModule: set {LR_SCHEDULER_FLAG} instead")
+    return problems
+
+
+def _export_problems(cfg: Namespace, flowgrpo: bool) -> list[str]:
+    problems = []
+    if not flowgrpo:
+        problems.append(
+            "export: --model must be a FlowGRPOModule (the config of an RL run): nothing to export"
+        )
+    if not cfg.get("ckpt_path"):
+        problems.append("export: --ckpt_path is required: a checkpoint written by `fit`, or `last`")
+    if not cfg.get("out"):
+        problems.append("export: --out is required: the folder to write the weights to")
+    return problems
+
+
+def _checkpoint_callbacks(cfg: Namespace) -> list[Namespace]:
+    callbacks = (cfg.get("trainer") or Namespace()).get("callbacks") or []
+    if not isinstance(callbacks, list):
+        callbacks = [callbacks]
+    out = []
+    for callback in callbacks:
+        if isinstance(callback, Namespace) and callback.get("class_path"):
+            cls = _import(callback.class_path)
+            if isinstance(cls, type) and issubclass(cls, ModelCheckpoint):
+                out.append(callback)
+    return out
+
+
+def _pin_checkpoint_dirs(cfg: Namespace) -> None:
+    """Give each configured ModelCheckpoint without ``dirpath`` the run's fixed checkpoint folder.
+
+    Without ``dirpath``, Lightning writes into the logger's new ``version_N`` folder of every run, so
+    ``--ckpt_path last`` looks only where the new run will write and finds nothing (Lightning #18524).
+    """
+    root = (cfg.get("trainer") or Namespace()).get("default_root_dir")
+    if not root:
+        return  # no run folder given: leave Lightning's layout (and `last` says what to set)
+    for callback in _checkpoint_callbacks(cfg):
+        if callback.get("init_args") is None:
+            callback.init_args = Namespace()
+        if not _dirpath(callback):
+            callback.init_args.dirpath = os.path.join(str(root), "checkpoints")
+
+
+def _dirpath(callback: Namespace) -> str | None:
+    init_args = callback.get("init_args")
+    return init_args.get("dirpath") if isinstance(init_args, Namespace) else None
+
+
+def _resolve_ckpt_path(ckpt_path: str, cfg: Namespace) -> str:
+    """The checkpoint file ``--ckpt_path`` names, checked to exist and be complete."""
+    ckpt_path = str(ckpt_path)
+    if ckpt_path in _SPECIAL_CKPT_PATHS or "://" in ckpt_path or ckpt_path.startswith("registry"):
+        return ckpt_path  # resolved by Lightning
+    if ckpt_path == "last":
+        dirs = [d for d in map(_dirpath, _checkpoint_callbacks(cfg)) if d]
+        if not dirs:
+            raise SettingsError(
+                "--ckpt_path last: no ModelCheckpoint in trainer.callbacks has a fixed folder, so the "
+                "previous run's last checkpoint cannot be found. Add a ModelCheckpoint with save_last: true "
+                "and set --trainer.default_root_dir (or its dirpath), or pass the checkpoint file"
+            )
+        found = _last_checkpoints(dirs)
+        if not found:
+            # Lightning's meaning of `last` with nothing saved yet: start from scratch (so one command
+            # both starts and resumes a preemptible job); it warns that no checkpoint was loaded.
+            return "last"
+        ckpt_path = max(found, key=os.path.getmtime)
+    path = Path(ckpt_path)
+    if not path.exists():
+        raise SettingsError(
+            f"--ckpt_path ({ckpt_path}) does not exist: give a checkpoint written by `fit`, or `last`"
+        )
+    if path.is_file():
+        _check_complete(path)
+    return ckpt_path
+
+
+def _last_checkpoints(dirs: list[str]) -> list[str]:
+    # ModelCheckpoint's own naming: last.ckpt, or last-v1.ckpt when a new run finds one already there.
+    pattern = re.compile(rf"^{re.escape(ModelCheckpoint.CHECKPOINT_NAME_LAST)}(-v?\d+)?$")
+    found = []
+    for d in dirs:
+        if os.path.isdir(d):
+            found += [
+                os.path.join(d, name)
+                for name in os.listdir(d)
+                if name.endswith(ModelCheckpoint.FILE_EXTENSION)
+                and pattern.match(name[: -len(ModelCheckpoint.FILE_EXTENSION)])
+            ]
+    return found
+
+
+def _check_complete(path: Path) -> None:
+    """A torch checkpoint is a zip archive whose central directory is written last: reading it is
+    cheap and fails on a file cut short, where ``torch.load`` would only say ``OSError: [Errno 22]``."""
+    if path.stat().st_size == 0:
+        raise SettingsError(
+            f"--ckpt_path ({path}) is empty: the save was interrupted; use an earlier checkpoint"
+        )
+    with open(path, "rb") as f:
+        magic = f.read(len(_ZIP_MAGIC))
+    if magic != _ZIP_MAGIC:
+        return  # torch's legacy (non-zip) format: torch.load judges it
+    try:
+        with zipfile.ZipFile(path):
+            pass
+    except zipfile.BadZipFile:
+        raise SettingsError(
+            f"--ckpt_path ({path}) is truncated or corrupt (its zip directory is unreadable): the save was "
+            "probably interrupted; use an earlier checkpoint"
+        ) from None
+
+
+def _differences(given: Any, overlaid: Any) -> list[tuple[str, Any, Any]]:
+    """(key under ``model``, command-line value, checkpoint value) for every leaf the overlay changed."""
+    if not isinstance(given, Namespace) or not isinstance(overlaid, Namespace):
+        return [] if given == overlaid else [("", given, overlaid)]
+    before, after = dict(given.items()), dict(overlaid.items())
+    return [
+        (key, before.get(key), after.get(key))
+        for key in sorted(set(before) | set(after))
+        if before.get(key) != after.get(key)
+    ]
+
+
+def _optimizer_differences(cfg: Namespace) -> list[tuple[str, Any, Any]]:
+    """(flag, command-line value, checkpoint value) of the optimizer settings the checkpoint's optimizer
+    state will restore over the command line's (Lightning loads its ``param_groups``, lr included)."""
+    optimizer = cfg.get("model.init_args.optimizer") if cfg.get("model") else None
+    path = Path(str(cfg.ckpt_path))
+    if not isinstance(optimizer, Namespace) or not path.is_file():
+        return []
+    import torch
+
+    try:  # memory-mapped: only the small param_groups are read
+        states = torch.load(path, map_location="cpu", mmap=True, weights_only=True).get("optimizer_states")
+    except Exception:  # not a checkpoint torch can map (legacy format): nothing to compare
+        return []
+    if not states or not states[0].get("param_groups"):
+        return []
+    group = states[0]["param_groups"][0]
+    out = []
+    for key, value in (optimizer.get("init_args") or Namespace()).items():
+        # With a scheduler the group's lr is the scheduled one; `initial_lr` is the configured one.
+        saved = group.get("initial_lr", group.get("lr")) if key == "lr" else group.get(key, value)
+        if isinstance(saved, (list, tuple)):
+            saved, value = tuple(saved), tuple(value) if isinstance(value, (list, tuple)) else value
+        if saved != value:
+            out.append((f"{OPTIMIZER_FLAG}.init_args.{key}", value, saved))
+    return out
+
+
+def _own_error(err: BaseException) -> BaseException:
+    """The first exception in ``err``'s chain that was raised outside jsonargparse."""
+    seen: BaseException | None = err
+    while seen is not None:
+        tb = seen.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        module = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+        if not module.startswith("jsonargparse"):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return err
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested config → ``{"model.init_args.optimizer.init_args.lr": 3e-4, ...}`` (keys read as flags)."""
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    if isinstance(tree, list) and tree and all(isinstance(v, dict) for v in tree):
+        out = {}
+        for i, value in enumerate(tree):
+            out.update(_flatten(value, f"{prefix}{i}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def _run_dir(trainer: L.Trainer) -> str:
+    """This run's own log folder: the logger's versioned folder, as ModelCheckpoint derives it."""
+    if not trainer.loggers:
+        return str(trainer.default_root_dir)
+    logger = trainer.loggers[0]
+    log_dir = getattr(logger, "log_dir", None)  # CSV, TensorBoard: <save_dir>/<name>/version_N
+    if log_dir:
+        return str(log_dir)
+    # W&B, MLflow, ...: <save_dir>/<name>/<run id>
+    version = logger.version
+    version = version if isinstance(version, str) else f"version_{version}"
+    return os.path.join(str(logger.save_dir or trainer.default_root_dir), str(logger.name), version)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     words = list(sys.argv[1:] if argv is None else argv)
-    if words and words[0] == "export":
-        export(words[1:])
-        return
-    # LightningCLI reads sys.argv itself when given no args (and warns when given both).
-    FlowGRPOCLI(args=None if argv is None else words)
+    try:
+        FlowGRPOCLI(args=words)
+    except SettingsError as err:
+        print(f"lit-flowgrpo: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

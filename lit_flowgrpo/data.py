@@ -13,7 +13,6 @@ Lightning never injects its `DistributedSampler` between the groups.
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -178,7 +177,12 @@ def _make_batch(
 
 
 class _ValSet(IterableDataset):
-    """Every (val prompt, val seed) pair once, split over ranks, in fixed-size batches."""
+    """Every (val prompt, val seed) pair once, split over ranks, in fixed-size batches.
+
+    No ``__len__``: Lightning warns about any sized ``IterableDataset`` (its length may be wrong with
+    several workers), and a map-style set would get Lightning's ``DistributedSampler``, which would
+    split the already per-rank batches again. Validation simply runs until the set is exhausted.
+    """
 
     def __init__(
         self,
@@ -199,9 +203,6 @@ class _ValSet(IterableDataset):
     def _mine(self) -> list[int]:
         total = len(self.records) * self.seeds
         return list(range(self.rank, total, self.world_size))
-
-    def __len__(self) -> int:
-        return math.ceil(len(self._mine()) / self.batch_size)
 
     def __iter__(self) -> Iterator[PromptBatch]:
         mine = self._mine()
