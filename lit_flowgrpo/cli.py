@@ -97,10 +97,9 @@ class FlowGRPOTrainer(L.Trainer):
         if ckpt_path is None or out is None:
             raise ValueError("export needs ckpt_path (a checkpoint written by `fit`) and out (a folder)")
         model.load_trainable_checkpoint(ckpt_path, use_ema=use_ema)
-        # Until the module has `export` (adapter or transformer folder), only LoRA runs can be exported.
-        write = getattr(model, "export", None) or model.export_lora
-        write(out)
-        rank_zero_info(f"exported {ckpt_path} to {out}")
+        if not hasattr(model, "export"):
+            raise ValueError(f"{type(model).__name__} has no export(): nothing to export")
+        rank_zero_info(f"exported {ckpt_path}: {model.export(out)}")
 
 
 class LogRunConfig(SaveConfigCallback):

@@ -77,7 +77,7 @@ class Objective:
         kl_with_dt: bool = False,
     ) -> None:
         self.clip_range = clip_range
-        self.clip_range_high = clip_range if clip_range_high is None else clip_range_high
+        self.clip_range_high = clip_range_high
         self.adv_clip_max = adv_clip_max
         self.kl_coef = kl_coef
         self.kl_with_dt = kl_with_dt
@@ -91,7 +91,7 @@ class Objective:
             p.append(
                 f"{a}clip_range ({self.clip_range}) must lie in (0, 1): Flow-GRPO uses 1e-4, GRPO-Guard ~2e-6"
             )
-        if not self.clip_range_high > 0:
+        if self.clip_range_high is not None and not self.clip_range_high > 0:
             p.append(f"{a}clip_range_high ({self.clip_range_high}) must be > 0, or null to use clip_range")
         if not self.adv_clip_max > 0:
             p.append(f"{a}adv_clip_max ({self.adv_clip_max}) must be > 0 (Flow-GRPO uses 5.0)")
