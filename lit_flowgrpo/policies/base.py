@@ -17,7 +17,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from importlib.metadata import version
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from packaging.version import Version
@@ -201,12 +201,22 @@ class FlowPolicy(nn.Module, ABC):
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         """Per-sample latent shape for an image of ``height`` x ``width`` pixels."""
 
+    #: The family's diffusers pipeline class, by name (``_class_name`` in ``model_index.json``).
+    pipeline_name: str = ""
+
+    @property
+    def pipeline_class(self) -> Any:
+        """The pipeline class, imported on first use: importing diffusers' pipeline modules loads
+        transformers' image processors (and their notices), which a run of another family never needs."""
+        if not self.pipeline_name:
+            raise NotImplementedError(f"{type(self).__name__} has no diffusers pipeline")
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_name)
+
     def save_lora(self, path: str, lora_state_dict: dict[str, Tensor], adapter_metadata: dict | None) -> None:
         """Write a LoRA adapter that the family's diffusers pipeline loads with ``load_lora_weights``."""
-        pipeline_class = getattr(self, "pipeline_class", None)
-        if pipeline_class is None:
-            raise NotImplementedError(f"{type(self).__name__} has no diffusers pipeline to export a LoRA for")
-        pipeline_class.save_lora_weights(
+        self.pipeline_class.save_lora_weights(
             path,
             transformer_lora_layers=lora_state_dict,
             transformer_lora_adapter_metadata=adapter_metadata,

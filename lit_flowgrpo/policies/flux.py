@@ -18,7 +18,6 @@ from the loaded scheduler's config.
 from __future__ import annotations
 
 import torch
-from diffusers import FluxPipeline
 from torch import Tensor
 
 from lit_flowgrpo.policies.base import MMDIT_ATTENTION_PROJECTIONS, DType, Embeds
@@ -46,7 +45,7 @@ class FluxPolicy(PackedLatentPolicy):
     default_lora_targets: tuple[str, ...] = MMDIT_ATTENTION_PROJECTIONS
     #: Guidance is an input embedding, not a second batch.
     uses_cfg_batch: bool = False
-    pipeline_class = FluxPipeline
+    pipeline_name = "FluxPipeline"
     component_names = ("text_encoder", "text_encoder_2", "vae")
 
     def __init__(

@@ -83,8 +83,6 @@ class PackedLatentPolicy(FlowPolicy):
     decode with the loaded pipeline's own helpers.
     """
 
-    #: The diffusers pipeline class; its name is the ``_class_name`` accepted in ``model_index.json``.
-    pipeline_class: type[DiffusionPipeline]
     #: Pipeline components registered as submodules of the policy (all frozen).
     component_names: tuple[str, ...] = ()
     default_lora_rank: int = 64
@@ -108,7 +106,7 @@ class PackedLatentPolicy(FlowPolicy):
 
     def problems(self) -> list[str]:
         out = check_pretrained(self.pretrained, PRETRAINED_FLAG) or check_family(
-            self.pretrained, (self.pipeline_class.__name__,), PRETRAINED_FLAG, type(self).__name__
+            self.pretrained, (self.pipeline_name,), PRETRAINED_FLAG, type(self).__name__
         )
         if self.dtype_name not in ("float32", "bfloat16", "float16"):
             out.append(
@@ -130,7 +128,7 @@ class PackedLatentPolicy(FlowPolicy):
             raise ValueError("; ".join(problems))
 
     def _family_problem(self, index: dict[str, Any]) -> str:
-        return family_problem(index, self.pretrained, self.pipeline_class.__name__, type(self).__name__)
+        return family_problem(index, self.pretrained, self.pipeline_name, type(self).__name__)
 
     # -- loading ------------------------------------------------------------------------------------
 
@@ -148,7 +146,7 @@ class PackedLatentPolicy(FlowPolicy):
             )
         except (OSError, ValueError) as err:
             raise ValueError(
-                f"{PRETRAINED_FLAG} ({self.pretrained}): loading the {self.pipeline_class.__name__} failed: {err}"
+                f"{PRETRAINED_FLAG} ({self.pretrained}): loading the {self.pipeline_name} failed: {err}"
             ) from err
         pipe.set_progress_bar_config(disable=True)
         # Registered as submodules so that ``.to(device)`` moves them; the pipeline holds the same

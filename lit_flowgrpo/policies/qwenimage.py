@@ -23,7 +23,6 @@ halves share one batched forward.
 from __future__ import annotations
 
 import torch
-from diffusers import QwenImagePipeline
 from torch import Tensor
 
 from lit_flowgrpo.policies.base import DType, Embeds, embeds_to
@@ -65,7 +64,7 @@ class QwenImagePolicy(PackedLatentPolicy):
         "txt_mlp.net.2",
     )
     uses_cfg_batch: bool = True
-    pipeline_class = QwenImagePipeline
+    pipeline_name = "QwenImagePipeline"
     component_names = ("text_encoder", "vae")
 
     def __init__(

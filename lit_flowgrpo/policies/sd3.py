@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+from diffusers import FlowMatchEulerDiscreteScheduler
 from torch import Tensor, nn
 
 from lit_flowgrpo.policies.base import (
@@ -37,7 +38,7 @@ class SD3Policy(FlowPolicy):
     """
 
     default_lora_targets: tuple[str, ...] = MMDIT_ATTENTION_PROJECTIONS
-    pipeline_class = StableDiffusion3Pipeline
+    pipeline_name = "StableDiffusion3Pipeline"
     image_size_multiple: int = 16
     image_size_reason: str = "the VAE downsamples by 8 and the transformer cuts 2×2 patches"
 
@@ -55,7 +56,7 @@ class SD3Policy(FlowPolicy):
         self.max_sequence_length = max_sequence_length
         self.negative_prompt = negative_prompt
         self.prompt_cache_size = prompt_cache_size
-        self.pipe: StableDiffusion3Pipeline | None = None
+        self.pipe: Any = None  # a StableDiffusion3Pipeline once loaded
         self._cache: OrderedDict[str, tuple[Tensor, Tensor]] = OrderedDict()
 
     def problems(self) -> list[str]:
@@ -70,7 +71,7 @@ class SD3Policy(FlowPolicy):
         problems = self.problems()
         if problems:
             raise ValueError("; ".join(problems))
-        pipe = StableDiffusion3Pipeline.from_pretrained(
+        pipe = self.pipeline_class.from_pretrained(
             self.pretrained, **pretrained_dtype_kwargs(resolve_dtype(self.dtype_name))
         )
         pipe.set_progress_bar_config(disable=True)
