@@ -26,9 +26,10 @@ class FinalCheckpoint(Callback):
     run that stops between them, at ``max_steps`` say, keeps nothing of the rollouts since the last
     point; with validation every 2 rollouts, ``max_steps`` of one rollout writes no checkpoint at all.
     At the end of fit (the last training epoch's end), each ``ModelCheckpoint`` that has not saved
-    at the current step saves once more, through its own machinery: its ``dirpath`` and file name, its top-k ranking when its
-    monitored metric is logged, and ``last.ckpt`` when ``save_last`` (so ``--ckpt_path last`` resumes
-    from it). A state that neither keeps is written under the callback's file name outside top-k.
+    at the current step saves once more, through its own machinery: its ``dirpath`` and file name,
+    its top-k ranking when its monitored metric is logged, and ``last.ckpt`` when ``save_last`` (so
+    ``--ckpt_path last`` resumes from it). A state that neither keeps is written under the
+    callback's file name outside top-k.
 
     SIGTERM (a scheduler's preemption, ``scancel``, ``kill``): Lightning notes the signal and stops at
     the next batch boundary by raising ``SIGTERMException``, a ``SystemExit`` with no code, so the
@@ -71,9 +72,11 @@ class FinalCheckpoint(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if not (self.on_sigterm and isinstance(exception, SIGTERMException)):
             return
-        self._save(trainer, "SIGTERM")
-        # SystemExit's code is what the interpreter exits with; Lightning re-raises this very exception
+        # SystemExit's code is what the interpreter exits with; Lightning re-raises this very
+        # exception. Set first, so that a stop during sanity checking (nothing to save) or a failed
+        # save still exits non-zero.
         exception.code = SIGTERM_EXIT_CODE
+        self._save(trainer, "SIGTERM")
 
     def _save(self, trainer: Trainer, why: str) -> None:
         if trainer.sanity_checking or trainer.fast_dev_run:

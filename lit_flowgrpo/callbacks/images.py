@@ -6,7 +6,7 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -72,7 +72,7 @@ class SampleImageLogger(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        out: StepOutput = as_mapping(outputs)  # type: ignore[assignment]
+        out = cast(StepOutput, as_mapping(outputs))  # any key may be missing: read with .get
         step = rollout_step(trainer)
         if not self.every_n_steps or step % self.every_n_steps or out.get("images") is None:
             return
@@ -98,7 +98,7 @@ class SampleImageLogger(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        out: ValidationOutput = as_mapping(outputs)  # type: ignore[assignment]
+        out = cast(ValidationOutput, as_mapping(outputs))
         room = self.max_images - len(self._val)
         if not self.log_validation or trainer.sanity_checking or room <= 0 or out.get("images") is None:
             return

@@ -77,8 +77,9 @@ class RolloutProgressBar(TQDMProgressBar):
         self._rollouts += 1
         bar = self.train_progress_bar
         bar.total = self.total_rollouts = self._total(trainer)
-        if self._should_update(self._rollouts, bar.total) and not bar.disable:
-            bar.n = self._rollouts
+        n = self._rollouts
+        if self.is_enabled and not bar.disable and (n % self.refresh_rate == 0 or n == bar.total):
+            bar.n = n
             bar.set_postfix(self.get_metrics(trainer, pl_module))  # redraws
 
     @override

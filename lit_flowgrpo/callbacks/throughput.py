@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops, measure_flops
@@ -126,7 +126,7 @@ class RLThroughputMonitor(Callback):
     ) -> None:
         _sync(trainer)
         own_step_s = time.perf_counter() - self._t0 if self._t0 is not None else float("nan")
-        out: StepOutput = as_mapping(outputs)  # type: ignore[assignment]
+        out = cast(StepOutput, as_mapping(outputs))  # any key may be missing: read with .get
         timings = {k: float(v) for k, v in as_mapping(out.get("timings")).items()}
         timings.setdefault("step", own_step_s)
         num_images = _num_images(out)

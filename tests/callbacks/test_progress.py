@@ -78,6 +78,12 @@ def test_counts_rollouts_to_the_run_end(tmp_path: Path) -> None:
     assert bar.total_rollouts == 4
 
 
+def test_refresh_rate_counts_rollouts(tmp_path: Path) -> None:
+    model = Rollouts([2, 2, 2, 2])
+    run(tmp_path, model, 8, RolloutProgressBar(refresh_rate=3))
+    assert model.shown == [(0, 4), (0, 4), (3, 4), (4, 4)]  # every 3rd rollout, and the last
+
+
 def test_total_follows_rollouts_that_take_no_step(tmp_path: Path) -> None:
     # rollout 2 has nothing to learn from (no optimizer step): the run needs one rollout more
     model = Rollouts([2, 0, 2, 2])
