@@ -1,0 +1,303 @@
+"""An exponential moving average of the trainable weights only, swapped in for validation and export.
+
+The average itself is diffusers' ``training_utils.EMAModel`` (its update, ``store``/``copy_to``/
+``restore`` swap and warm-up formula). This callback adds what a Lightning RL run needs around it:
+the trainable subset by name, the optimizer-step clock, the swap around validation, and a checkpoint
+format keyed by parameter name that resumes bit-exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from diffusers.training_utils import EMAModel
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lit_flowgrpo.callbacks._module import as_mapping
+
+__all__ = ["TrainableEMA"]
+
+
+class TrainableEMA(Callback):
+    r"""Exponential moving average of the parameters that require grad, and nothing else.
+
+    Lightning's ``EMAWeightAveraging`` deep-copies the whole LightningModule, frozen base included:
+    tens of GB for a 2-12B transformer trained through a LoRA of a few MB. This keeps an fp32 shadow
+    of ``{name: p for name, p in pl_module.named_parameters() if p.requires_grad}`` only, on the
+    parameters' devices, in a diffusers ``EMAModel``.
+
+    Update (flow_grpo's ``EMAModuleWrapper``, ``flow_grpo/ema.py``; diffusers' ``EMAModel.step``
+    with its default warm-up): after optimizer step k (k = 1, 2, ...; counted by a post-step hook on
+    the first optimizer, so every ``optimizer.step()`` of a manual-optimization ``training_step``
+    counts) and when k is a multiple of ``update_every``,
+
+    .. math:: d_k = \min\left(\frac{1 + k}{10 + k}, \text{decay}\right), \qquad
+              \text{ema} \leftarrow \text{ema} - (1 - d_k)(\text{ema} - \theta).
+
+    flow_grpo uses decay 0.9 every 8 steps (the defaults).
+
+    The EMA is swapped into the module for validation (``validate_with_ema``) and, through
+    :meth:`swapped`, for export; a checkpoint saved while swapped still holds the training weights in
+    its ``state_dict``. The EMA lives in the checkpoint under ``checkpoint["callbacks"]["TrainableEMA"]
+    ["ema_state_dict"]``, keyed like ``checkpoint["state_dict"]``; :meth:`weights_from_checkpoint` reads it for
+    an offline export: ``module.load_state_dict(TrainableEMA.weights_from_checkpoint(path),
+    strict=False)``.
+
+    Args:
+        decay: the ceiling of the decay schedule, in [0, 1).
+        update_every: update after every this many optimizer steps.
+        validate_with_ema: run validation with the EMA weights swapped in.
+    """
+
+    def __init__(self, decay: float = 0.9, update_every: int = 8, validate_with_ema: bool = True) -> None:
+        super().__init__()
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay ({decay}) must be in [0, 1): the EMA keeps a `decay` share of itself")
+        if update_every < 1:
+            raise ValueError(
+                f"update_every ({update_every}) must be at least 1 (optimizer steps between updates)"
+            )
+        self.decay = decay
+        self.update_every = update_every
+        self.validate_with_ema = validate_with_ema
+        self.optimizer_steps = 0
+        self.num_updates = 0
+        self._names: list[str] = []  # the trainable parameters, in the order of the EMA's shadow list
+        self._ema: EMAModel | None = None
+        self._loaded: dict[str, Tensor] | None = None  # restored before the module had its parameters
+        self._hook: Any = None
+
+    @staticmethod
+    def current_decay(step: int, decay: float) -> float:
+        """d_k = min((1 + k) / (10 + k), decay): a short warm-up so early weights do not dominate.
+
+        >>> TrainableEMA.current_decay(8, 0.9), TrainableEMA.current_decay(200, 0.9)
+        (0.5, 0.9)
+        """
+        return min((1 + step) / (10 + step), decay)
+
+    @property
+    def ema(self) -> dict[str, Tensor] | None:
+        """The averaged weights, ``{name: fp32 tensor}`` (the live shadows, not copies); None before
+        the module has its parameters."""
+        if self._ema is None:
+            return None
+        return dict(zip(self._names, self._ema.shadow_params, strict=True))
+
+    # -- hooks ------------------------------------------------------------------------------------
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._initialize(pl_module)
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.optimizers:
+            raise ValueError("TrainableEMA needs an optimizer: configure_optimizers returned none")
+        self._initialize(pl_module)
+        self._hook = trainer.optimizers[0].register_step_post_hook(self._after_optimizer_step(pl_module))
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._remove_hook()
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._remove_hook()
+        self._swap_out(pl_module)  # an exception inside validation left the EMA swapped in
+
+    @override
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.validate_with_ema and not trainer.sanity_checking:
+            self._swap_in(pl_module)
+
+    @override
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._swap_out(pl_module)
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        stored = self._stored()
+        if stored is None or "state_dict" not in checkpoint:
+            return
+        # saved while the EMA is swapped in (e.g. from a validation hook): keep the training weights
+        # in the model state so that a resume continues from them
+        for name, value in stored.items():
+            if name in checkpoint["state_dict"]:
+                checkpoint["state_dict"][name] = value.detach().clone()
+
+    # -- the average ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update(self, pl_module: LightningModule) -> None:
+        """One EMA update at the current optimizer-step count (called by the post-step hook)."""
+        self._initialize(pl_module)
+        assert self._ema is not None
+        # diffusers warms the decay up over its own step() calls; flow_grpo's schedule warms up over
+        # optimizer steps, of which we average only every `update_every`-th. step() first increments
+        # the counter, then takes d = min((1 + s) / (10 + s), decay) with s = counter - 1: set it to
+        # k so that s = k.
+        self._ema.optimization_step = self.optimizer_steps
+        self._ema.step(self._params(pl_module))
+        self.num_updates += 1
+
+    @contextmanager
+    def swapped(self, pl_module: LightningModule) -> Iterator[None]:
+        """Run a block with the EMA weights in ``pl_module``; the training weights come back after.
+
+        Example::
+
+            with ema.swapped(module):
+                module.export_lora("lora/")
+        """
+        self._swap_in(pl_module)
+        try:
+            yield
+        finally:
+            self._swap_out(pl_module)
+
+    @staticmethod
+    def weights_from_checkpoint(
+        checkpoint: str | os.PathLike | Mapping[str, Any], weights_only: bool = True
+    ) -> dict[str, Tensor]:
+        """The EMA weights stored in a Lightning checkpoint (a path or the loaded dict).
+
+        Keys are the module's parameter names, as in ``checkpoint["state_dict"]``.
+
+        Args:
+            checkpoint: a ``.ckpt`` path or the dict ``torch.load`` returned.
+            weights_only: passed to ``torch.load``; set False only for checkpoints you trust that
+                pickle objects other than tensors and containers (e.g. custom hyper-parameters).
+        """
+        if not isinstance(checkpoint, Mapping):
+            checkpoint = torch.load(checkpoint, map_location="cpu", weights_only=weights_only)
+        states = as_mapping(checkpoint.get("callbacks"))
+        found = [v for k, v in states.items() if k.split("{")[0] == TrainableEMA.__qualname__]
+        if len(found) != 1 or found[0].get("ema_state_dict") is None:
+            raise ValueError(
+                "checkpoint has no TrainableEMA weights: train with the TrainableEMA callback "
+                "(--trainer.callbacks+=lit_flowgrpo.callbacks.TrainableEMA), or export the raw weights"
+            )
+        return dict(found[0]["ema_state_dict"])
+
+    # Not EMAModel.state_dict: that is a list in parameter order, which an offline export (and
+    # FlowGRPOModule.load_trainable_checkpoint) could not map onto names without rebuilding the
+    # module, and which would load silently into a module whose trainable set changed (other LoRA
+    # settings). Keyed by name, fp32 on the CPU, it is copied back value for value: bit-exact resume.
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        ema = self.ema if self.ema is not None else self._loaded
+        return {
+            "decay": self.decay,
+            "update_every": self.update_every,
+            "optimizer_steps": self.optimizer_steps,
+            "num_updates": self.num_updates,
+            "ema_state_dict": None if ema is None else {k: v.detach().cpu().clone() for k, v in ema.items()},
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer_steps = int(state_dict["optimizer_steps"])
+        self.num_updates = int(state_dict["num_updates"])
+        loaded = state_dict.get("ema_state_dict")
+        if loaded is None:
+            return
+        ema = self.ema
+        if ema is None:
+            self._loaded = dict(loaded)  # the module's parameters may not exist yet (configure_model)
+            return
+        self._check_names(set(loaded), set(ema))
+        with torch.no_grad():
+            for name, value in loaded.items():
+                ema[name].copy_(value)
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _after_optimizer_step(self, pl_module: LightningModule) -> Any:
+        def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            self.optimizer_steps += 1
+            if self.optimizer_steps % self.update_every == 0:
+                self.update(pl_module)
+
+        return hook
+
+    @staticmethod
+    def _trainable(pl_module: nn.Module) -> dict[str, nn.Parameter]:
+        return {name: p for name, p in pl_module.named_parameters() if p.requires_grad}
+
+    def _params(self, pl_module: nn.Module) -> list[nn.Parameter]:
+        # by name, in the shadows' order: EMAModel pairs shadows and parameters by position
+        params = dict(pl_module.named_parameters())
+        return [params[name] for name in self._names]
+
+    @staticmethod
+    def _check_names(loaded: set[str], current: set[str]) -> None:
+        if loaded != current:
+            missing, unexpected = sorted(current - loaded), sorted(loaded - current)
+            raise ValueError(
+                "TrainableEMA state does not match the module's trainable parameters "
+                f"(missing {missing[:5]}, unexpected {unexpected[:5]}): resume with the same model and "
+                "LoRA settings, or drop the EMA state from the checkpoint"
+            )
+
+    @torch.no_grad()
+    def _initialize(self, pl_module: LightningModule) -> None:
+        if self._ema is not None:
+            return
+        params = self._trainable(pl_module)
+        if not params:
+            raise ValueError(
+                "TrainableEMA found no parameter with requires_grad=True in the module: "
+                "nothing to average (is the model loaded and its LoRA attached?)"
+            )
+        if self._loaded is not None:
+            self._check_names(set(self._loaded), set(params))
+            source = {n: self._loaded[n] for n in params}
+        else:
+            source = {n: p.detach() for n, p in params.items()}
+        # foreach: one fused kernel per update over all tensors (a full fine-tune has hundreds).
+        self._ema = EMAModel([], decay=self.decay, min_decay=0.0, update_after_step=0, foreach=True)
+        # fp32 shadows built directly: EMAModel would first clone each parameter in its own dtype (a
+        # transient bf16 copy of a whole transformer in a full fine-tune), and a resume starts from
+        # the saved values, not the module's
+        self._ema.shadow_params = [
+            source[n].to(device=p.device, dtype=torch.float32, copy=True) for n, p in params.items()
+        ]
+        self._names = list(params)
+        self._loaded = None
+
+    def _stored(self) -> dict[str, Tensor] | None:
+        """The training weights put aside while the EMA is swapped in, by name; None when not swapped."""
+        if self._ema is None or self._ema.temp_stored_params is None:
+            return None
+        return dict(zip(self._names, self._ema.temp_stored_params, strict=True))
+
+    @torch.no_grad()
+    def _swap_in(self, pl_module: LightningModule) -> None:
+        self._initialize(pl_module)
+        assert self._ema is not None
+        if self._ema.temp_stored_params is not None:
+            raise RuntimeError("TrainableEMA weights are already swapped in")
+        params = self._params(pl_module)
+        self._ema.store(params)  # to the host: no second copy of the trained weights on the device
+        self._ema.copy_to(params)
+
+    @torch.no_grad()
+    def _swap_out(self, pl_module: LightningModule) -> None:
+        if self._stored() is None:
+            return
+        assert self._ema is not None
+        self._ema.restore(self._params(pl_module))
+
+    def _remove_hook(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None

@@ -1,0 +1,293 @@
+"""Sample images with their prompts and rewards, and a table of validation samples, to any logger."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from lit_flowgrpo.callbacks._lightning import rollout_step
+from lit_flowgrpo.callbacks._module import as_mapping
+from lit_flowgrpo.step_output import StepOutput, ValidationOutput
+
+__all__ = ["SampleImageLogger", "image_grid"]
+
+
+class SampleImageLogger(Callback):
+    """Logs a grid of generated samples with their prompts and rewards, every N steps and at validation.
+
+    Training: the ``images``, ``prompts`` and ``rewards`` (B,) the training step returns, every
+    ``every_n_steps`` rollout steps, under ``train/samples``. Validation: the first ``max_images`` of
+    what ``validation_step`` returns (``rewards`` is a dict of named components), under
+    ``val/samples``, and (``log_table``) a table of the same samples, one row each: image, prompt and
+    every reward component, under ``val/samples_table`` (as TRL's and veRL's generation tables).
+    Rank 0 only; sanity checking is skipped. Images may stay on the module's device: only those
+    logged are copied to the host, on the steps they are logged.
+
+    Where it goes, per logger: W&B (``WandbLogger.log_image``: one ``wandb.Image`` per sample with its
+    caption, works offline; the table through ``WandbLogger.log_table``); TensorBoard (``add_images``
+    plus the captions, and the table as markdown, through ``add_text``); any other logger, or none,
+    gets ``images/<key>_step<step>.png`` (a grid) and a ``.json`` of the captions in its ``log_dir``
+    (else the trainer's ``default_root_dir``), and the table as ``images/val_samples_table_step<step>.json``.
+
+    Args:
+        every_n_steps: log training samples at every this many rollout steps (0: never).
+        max_images: the most samples per grid (and rows per table).
+        log_validation: log validation samples.
+        log_table: also log the validation samples as a table (reuses the grid's samples: no extra
+            host copy).
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        max_images: int = 8,
+        log_validation: bool = True,
+        log_table: bool = True,
+    ) -> None:
+        super().__init__()
+        if every_n_steps < 0:
+            raise ValueError(f"every_n_steps ({every_n_steps}) must be >= 0 (0 turns training samples off)")
+        if max_images < 1:
+            raise ValueError(f"max_images ({max_images}) must be at least 1")
+        self.every_n_steps = every_n_steps
+        self.max_images = max_images
+        self.log_validation = log_validation
+        self.log_table = log_table
+        self._val = _Samples()
+
+    # -- hooks ------------------------------------------------------------------------------------
+
+    @override
+    @rank_zero_only
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        out = cast(StepOutput, as_mapping(outputs))  # any key may be missing: read with .get
+        step = rollout_step(trainer)
+        if not self.every_n_steps or step % self.every_n_steps or out.get("images") is None:
+            return
+        samples = _Samples()
+        rewards = out.get("rewards")
+        samples.add(
+            out["images"], out.get("prompts"), {} if rewards is None else {"reward": rewards}, self.max_images
+        )
+        self.log_images(trainer, "train/samples", samples.stacked(), samples.captions(), step)
+
+    @override
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._val = _Samples()
+
+    @override
+    @rank_zero_only
+    def on_validation_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        out = cast(ValidationOutput, as_mapping(outputs))
+        room = self.max_images - len(self._val)
+        if not self.log_validation or trainer.sanity_checking or room <= 0 or out.get("images") is None:
+            return
+        self._val.add(out["images"], out.get("prompts"), as_mapping(out.get("rewards")), room)
+
+    @override
+    @rank_zero_only
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        samples, self._val = self._val, _Samples()
+        if not len(samples):
+            return
+        step = rollout_step(trainer)
+        self.log_images(trainer, "val/samples", samples.stacked(), samples.captions(), step)
+        if self.log_table:
+            self.log_samples_table(
+                trainer, "val/samples_table", samples.stacked(), samples.prompts, samples.rewards, step
+            )
+
+    # -- writing ----------------------------------------------------------------------------------
+
+    def log_images(
+        self, trainer: Trainer, key: str, images: Tensor, captions: Sequence[str], step: int
+    ) -> None:
+        """Write (B, 3, H, W) images in [0, 1] with one caption each to every logger of ``trainer``."""
+        if images.ndim != 4 or images.shape[1] != 3:
+            raise ValueError(f"images must be (B, 3, H, W) in [0, 1]; got shape {tuple(images.shape)}")
+        if len(captions) != len(images):
+            raise ValueError(f"{len(captions)} captions for {len(images)} images: give one caption per image")
+        pixels = _to_uint8(images)  # (B, 3, H, W) uint8, host
+        if not trainer.loggers:
+            _write_png(trainer.default_root_dir, key, pixels, captions, step)
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                hwc = [img.permute(1, 2, 0).numpy() for img in pixels]
+                logger.log_image(key=key, images=hwc, step=step, caption=list(captions))
+            elif isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_images(key, pixels, global_step=step, dataformats="NCHW")
+                text = "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions))
+                logger.experiment.add_text(f"{key}/captions", text, global_step=step)
+            else:
+                _write_png(_log_dir(trainer, logger), key, pixels, captions, step)
+
+    def log_samples_table(
+        self,
+        trainer: Trainer,
+        key: str,
+        images: Tensor,
+        prompts: Sequence[str],
+        rewards: Mapping[str, Sequence[float]],
+        step: int,
+    ) -> None:
+        """Write one row per sample (image, prompt, each reward component) to every logger of ``trainer``.
+
+        Args:
+            images: (B, 3, H, W) in [0, 1].
+            prompts: B prompts.
+            rewards: ``{component: B values}``; NaN where a sample was not scored.
+        """
+        if len(prompts) != len(images) or any(len(v) != len(images) for v in rewards.values()):
+            raise ValueError(
+                f"a table of {len(images)} images needs {len(images)} prompts and {len(images)} values per "
+                f"reward component; got {len(prompts)} prompts and { ({k: len(v) for k, v in rewards.items()}) }"
+            )
+        columns = ["prompt", *rewards]
+        rows = [[prompts[i], *(float(v[i]) for v in rewards.values())] for i in range(len(images))]
+        pixels = _to_uint8(images)
+        if not trainer.loggers:
+            _write_table(trainer.default_root_dir, key, columns, rows, step)
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                import wandb
+
+                data = [
+                    [wandb.Image(img.permute(1, 2, 0).numpy()), *row]
+                    for img, row in zip(pixels, rows, strict=True)
+                ]
+                logger.log_table(key=key, columns=["image", *columns], data=data, step=step)
+            elif isinstance(logger, TensorBoardLogger):
+                # the images are the same-step `val/samples` (one per row, in order); TensorBoard's text
+                # plugin renders markdown tables
+                logger.experiment.add_text(key, _markdown_table(["#", *columns], rows), global_step=step)
+            else:
+                _write_table(_log_dir(trainer, logger), key, columns, rows, step)
+
+
+def image_grid(images: Tensor, pad: int = 2) -> Tensor:
+    """(B, C, H, W) uint8 -> (C, H', W') grid of ceil(sqrt(B)) columns, ``pad`` black pixels apart.
+
+    >>> image_grid(torch.full((3, 1, 2, 2), 255, dtype=torch.uint8), pad=1)[0]
+    tensor([[255, 255,   0, 255, 255],
+            [255, 255,   0, 255, 255],
+            [  0,   0,   0,   0,   0],
+            [255, 255,   0,   0,   0],
+            [255, 255,   0,   0,   0]], dtype=torch.uint8)
+    """
+    b, c, h, w = images.shape
+    cols = math.ceil(math.sqrt(b))
+    rows = math.ceil(b / cols)
+    grid = torch.zeros((c, rows * h + (rows - 1) * pad, cols * w + (cols - 1) * pad), dtype=images.dtype)
+    for i in range(b):
+        r, col = divmod(i, cols)
+        grid[:, r * (h + pad) : r * (h + pad) + h, col * (w + pad) : col * (w + pad) + w] = images[i]
+    return grid
+
+
+class _Samples:
+    """Samples gathered for one grid, on the host: only those that will be logged are copied."""
+
+    def __init__(self) -> None:
+        self.images: list[Tensor] = []  # (3, H, W) float, host
+        self.prompts: list[str] = []
+        self.rewards: dict[str, list[float]] = {}
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def add(
+        self, images: Tensor, prompts: Sequence[str] | None, rewards: Mapping[str, Tensor], limit: int
+    ) -> None:
+        n = min(limit, len(images))
+        self.images.extend(images[:n].detach().float().cpu())
+        self.prompts.extend(list(prompts)[:n] if prompts is not None else [""] * n)
+        for name, values in rewards.items():
+            self.rewards.setdefault(name, []).extend(
+                torch.as_tensor(values[:n]).detach().float().cpu().tolist()
+            )
+
+    def stacked(self) -> Tensor:
+        return torch.stack(self.images)
+
+    def captions(self) -> list[str]:
+        return [_caption(p, {k: v[i] for k, v in self.rewards.items()}) for i, p in enumerate(self.prompts)]
+
+
+def _caption(prompt: str, rewards: Mapping[str, float]) -> str:
+    """The prompt, then each reward; a sample that could not be scored says so.
+
+    >>> _caption("a red cube", {"reward": 0.51234, "ocr": float("nan")})
+    'a red cube | reward=0.5123 | ocr=nan (failed)'
+    """
+    parts = [f"{k}={v:.4g}" if math.isfinite(v) else f"{k}=nan (failed)" for k, v in rewards.items()]
+    return " | ".join([prompt, *parts])
+
+
+def _to_uint8(images: Tensor) -> Tensor:
+    """(B, 3, H, W) floats in [0, 1] -> uint8 on the host, rounded."""
+    return (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+
+
+def _log_dir(trainer: Trainer, logger: Any) -> str:
+    return getattr(logger, "log_dir", None) or trainer.default_root_dir
+
+
+def _stem(root: str, key: str, step: int) -> str:
+    folder = os.path.join(root, "images")
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, f"{key.replace('/', '_')}_step{step:07d}")
+
+
+def _write_png(root: str, key: str, pixels: Tensor, captions: Sequence[str], step: int) -> None:
+    from PIL import Image
+
+    stem = _stem(root, key, step)
+    grid = image_grid(pixels).permute(1, 2, 0).numpy()  # (H', W', 3) uint8
+    Image.fromarray(grid).save(stem + ".png")
+    with open(stem + ".json", "w") as f:
+        json.dump({"step": step, "captions": list(captions)}, f, indent=1)
+
+
+def _write_table(root: str, key: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+    # NaN (an unscored sample) is written as JSON null, which every JSON reader accepts
+    data = [[None if isinstance(v, float) and not math.isfinite(v) else v for v in row] for row in rows]
+    with open(_stem(root, key, step) + ".json", "w") as f:
+        json.dump({"step": step, "columns": columns, "data": data}, f, indent=1)
+
+
+def _markdown_table(columns: list[str], rows: list[list[Any]]) -> str:
+    """A markdown table, row index first; ``|`` in a prompt is escaped.
+
+    >>> print(_markdown_table(["#", "prompt", "geneval"], [["a | b", 0.5], ["c", float("nan")]]))
+    | # | prompt | geneval |
+    |---|---|---|
+    | 0 | a \\| b | 0.5 |
+    | 1 | c | nan |
+    """
+
+    def cell(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join([str(i), *(cell(v) for v in row)]) + " |" for i, row in enumerate(rows)]
+    return "\n".join(lines)
