@@ -35,7 +35,7 @@ def test_shortened_quickstart(config, tmp_path, capsys):
             "--data.init_args.max_val_prompts=8",
             "--data.init_args.val_seeds=1",
             "--data.init_args.val_batch_size=8",
-            "--model.init_args.micro_batch_size=8",
+            "--model.init_args.update.micro_batch_size=8",
         ]
     )
     out = capsys.readouterr().out
