@@ -13,8 +13,7 @@ import io
 import json
 import pickle
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 
 import numpy as np
@@ -152,7 +151,7 @@ def test_pickle_protocol_needs_explicit_consent(server: str, images: torch.Tenso
     torch.testing.assert_close(out["partial"], partial, atol=ONE_ULP, rtol=0)
 
 
-def test_timeout_gives_nan_not_zero(server: str, images: torch.Tensor) -> None:
+def test_timeout_gives_nan_not_zero(server: str, images: torch.Tensor, wait_for) -> None:
     reward = _reward(server, "slow", timeout_s=TIMEOUT_S, max_retries=1)
     out = reward(images, ["p"] * 4, META)
     # The client came back while the server still held every request: it gave up on its own.
@@ -162,17 +161,7 @@ def test_timeout_gives_nan_not_zero(server: str, images: torch.Tensor) -> None:
     assert "after 2 attempt(s)" in reward.endpoint.last_stats.last_error  # and retried once
     assert reward.endpoint.last_stats.failures == 1
     # The server saw both attempts of the one chunk (its handler threads may lag the client).
-    assert _wait_for(lambda: GenEvalHandler.requests >= 2) and GenEvalHandler.requests == 2
-
-
-def _wait_for(condition: Callable[[], bool], limit_s: float = SLOW_REPLY_AFTER_S) -> bool:
-    """Poll ``condition`` until it holds; a bound on waiting, not on how fast anything ran."""
-    deadline = time.monotonic() + limit_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    assert wait_for(lambda: GenEvalHandler.requests >= 2) and GenEvalHandler.requests == 2
 
 
 def test_http_500_is_retried_then_succeeds(server: str, images: torch.Tensor) -> None:
