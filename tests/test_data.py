@@ -188,3 +188,26 @@ def test_a_resumed_fit_trains_on_what_an_uninterrupted_one_would(prompts_jsonl: 
     assert [step for step, _ in full] == [0, 1, 2, 3, 4, 5]
     # Lightning fetches one batch ahead; the checkpoint still resumes at the first batch not trained on.
     assert resumed.seen == full[3:]
+
+
+def test_validation_pairs_each_prompt_with_each_seed_once_over_the_ranks(prompts_jsonl: str) -> None:
+    dm = PromptDataModule(prompts_jsonl, val=prompts_jsonl, val_seeds=2, val_batch_size=4, seed=9)
+
+    def rows(rank: int) -> list[tuple[int, str, int]]:
+        dm.trainer = SimpleNamespace(world_size=3, global_rank=rank, training=False)
+        loader = dm.val_dataloader()
+        batches = list(loader)
+        assert len(batches) == len(loader.dataset) and all(len(b) <= 4 for b in batches)
+        return [
+            (s, p, seed)
+            for b in batches
+            for s, p, seed in zip(b.sample_ids.tolist(), b.prompts, b.seeds.tolist(), strict=True)
+        ]
+
+    items = [row for rank in range(3) for row in rows(rank)]
+    # 13 prompts × 2 seeds = 26 samples, each once; sample i is prompt i mod 13.
+    assert sorted(s for s, _, _ in items) == list(range(2 * NUM_PROMPTS))
+    assert all(p == f"prompt {s % NUM_PROMPTS}" for s, p, _ in items)
+    # Each sample has its own noise, the same at every validation (before and after training).
+    assert len({seed for *_, seed in items}) == len(items)
+    assert [row for rank in range(3) for row in rows(rank)] == items
