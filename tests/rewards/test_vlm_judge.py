@@ -50,6 +50,9 @@ class ChatHandler(BaseHTTPRequestHandler):
         pass
 
     def _reply(self, status: int, body: bytes) -> None:
+        # Out of flight before the answer goes out: the client may send its next request as soon as
+        # it has read this one, possibly before this thread runs again.
+        self._leave()
         with ChatHandler.lock:
             ChatHandler.replies += 1
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client timed out and left
@@ -71,9 +74,15 @@ class ChatHandler(BaseHTTPRequestHandler):
             ChatHandler.in_flight += 1
             ChatHandler.max_in_flight = max(ChatHandler.max_in_flight, ChatHandler.in_flight)
             ChatHandler.seen.append(request)
+        self._in_flight = True
         try:
             self._answer(route, request)
         finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        if getattr(self, "_in_flight", False):
+            self._in_flight = False
             with ChatHandler.lock:
                 ChatHandler.in_flight -= 1
 
