@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-# Two cores on CI: keep torch from oversubscribing them when tests run side by side.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One intra-op thread. The models here are tiny, so a second thread gains little on a quiet machine,
+# while on a busy one every parallel region waits for a descheduled partner thread: on a loaded
+# 2-core machine the shortened quickstart took 215-355 s with 2 threads and 23-29 s with 1.
+# Processes the tests start (DDP ranks, CLI runs) inherit the variable.
+torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data" / "flow_grpo"

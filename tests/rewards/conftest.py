@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -88,3 +89,22 @@ def closed_port_url() -> str:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def wait_for() -> Callable[..., bool]:
+    """``wait_for(condition, limit_s=30)``: poll until ``condition()`` holds, False if it never did.
+
+    For state another thread will reach (a server's handler lagging the client that gave up): a
+    bound on waiting, never an assertion on how fast anything ran.
+    """
+
+    def wait(condition: Callable[[], bool], limit_s: float = 30.0) -> bool:
+        deadline = time.monotonic() + limit_s
+        while not condition():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    return wait

@@ -13,7 +13,7 @@ import io
 import json
 import pickle
 import threading
-import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 
 import numpy as np
@@ -37,11 +37,20 @@ def _score(image_bytes: bytes, meta: dict) -> tuple[float, float]:
     return float(meta["tag"] == "single_object"), float(pixels.mean() / 255)
 
 
+# /slow answers only once the test releases it, or after this long: far beyond any client timeout
+# used here, so a client that waited for the answer would be seen (as a reply) however loaded the
+# machine is.
+SLOW_REPLY_AFTER_S = 30.0
+TIMEOUT_S = 0.2
+
+
 class GenEvalHandler(BaseHTTPRequestHandler):
     """Routes pick a behaviour: /ok, /slow, /error, /badjson, /nulls, /chunkfail, /flaky, /pickle."""
 
     requests = 0
+    replies = 0
     lock = threading.Lock()
+    release = threading.Event()
 
     def log_message(self, *args: object) -> None:
         pass
@@ -51,11 +60,14 @@ class GenEvalHandler(BaseHTTPRequestHandler):
         self.end_headers()
 
     def _reply(self, status: int, body: bytes, content_type: str = "application/json") -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        with contextlib.suppress(BrokenPipeError):  # the client timed out and left: the point of /slow
+        with GenEvalHandler.lock:
+            GenEvalHandler.replies += 1
+        # The client timed out and left (the point of /slow): writing to its socket may fail.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
             self.wfile.write(body)
 
     def do_POST(self) -> None:
@@ -77,7 +89,7 @@ class GenEvalHandler(BaseHTTPRequestHandler):
         images = [base64.b64decode(s) for s in data["images"]]
         metas = data["meta_datas"]
         if route == "slow":
-            time.sleep(0.6)
+            GenEvalHandler.release.wait(SLOW_REPLY_AFTER_S)
         if route == "error" or (route == "flaky" and count == 1):
             return self._reply(500, b"internal error")
         if route == "badjson":
@@ -93,6 +105,12 @@ class GenEvalHandler(BaseHTTPRequestHandler):
         self._reply(200, json.dumps({"strict_rewards": strict, "rewards": partial}).encode())
 
 
+# The server and this test compute the same float64 mean of the same integer pixels (exact sums,
+# correctly rounded divisions; at most an ulp of float64 apart), and each side rounds it once to
+# float32: they differ by at most one float32 ulp below 1.
+ONE_ULP = 2.0**-24
+
+
 def _expected(images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     pixels = (images * 255).round().clamp(0, 255).to(torch.float64)
     partial = (pixels.mean(dim=(1, 2, 3)) / 255).float()
@@ -106,9 +124,11 @@ def _reward(url: str, route: str, **kwargs: object) -> GenEvalReward:
 
 
 @pytest.fixture
-def server(http_server) -> str:
-    GenEvalHandler.requests = 0
-    return http_server(GenEvalHandler)
+def server(http_server) -> Iterator[str]:
+    GenEvalHandler.requests = GenEvalHandler.replies = 0
+    GenEvalHandler.release.clear()
+    yield http_server(GenEvalHandler)
+    GenEvalHandler.release.set()  # let a held /slow handler finish before the server shuts down
 
 
 def test_success_strict_and_partial(server: str, images: torch.Tensor) -> None:
@@ -116,7 +136,7 @@ def test_success_strict_and_partial(server: str, images: torch.Tensor) -> None:
     out = reward(images, ["p"] * 4, META)
     strict, partial = _expected(images)
     torch.testing.assert_close(out["strict"], strict)
-    torch.testing.assert_close(out["partial"], partial, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out["partial"], partial, atol=ONE_ULP, rtol=0)
     assert GenEvalHandler.requests == 2  # 4 images in chunks of 3
     assert reward.endpoint.last_stats.failures == 0
 
@@ -128,17 +148,20 @@ def test_pickle_protocol_needs_explicit_consent(server: str, images: torch.Tenso
     out = reward(images, ["p"] * 4, META)
     strict, partial = _expected(images)
     torch.testing.assert_close(out["strict"], strict)
-    torch.testing.assert_close(out["partial"], partial, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out["partial"], partial, atol=ONE_ULP, rtol=0)
 
 
-def test_timeout_gives_nan_not_zero(server: str, images: torch.Tensor) -> None:
-    reward = _reward(server, "slow", timeout_s=0.2, max_retries=1)
-    start = time.perf_counter()
+def test_timeout_gives_nan_not_zero(server: str, images: torch.Tensor, wait_for) -> None:
+    reward = _reward(server, "slow", timeout_s=TIMEOUT_S, max_retries=1)
     out = reward(images, ["p"] * 4, META)
-    assert time.perf_counter() - start < 1.0  # two attempts of 0.2 s, not the server's 0.6 s each
+    # The client came back while the server still held every request: it gave up on its own.
+    assert GenEvalHandler.replies == 0
     assert torch.isnan(out["strict"]).all() and torch.isnan(out["partial"]).all()
     assert "timed out" in reward.endpoint.last_stats.last_error
+    assert "after 2 attempt(s)" in reward.endpoint.last_stats.last_error  # and retried once
     assert reward.endpoint.last_stats.failures == 1
+    # The server saw both attempts of the one chunk (its handler threads may lag the client).
+    assert wait_for(lambda: GenEvalHandler.requests >= 2) and GenEvalHandler.requests == 2
 
 
 def test_http_500_is_retried_then_succeeds(server: str, images: torch.Tensor) -> None:
@@ -161,7 +184,7 @@ def test_partial_batch_failure(server: str, images: torch.Tensor) -> None:
     # Per-image nulls: only the 'colors' sample (index 3) is dropped.
     out = _reward(server, "nulls")(images, ["p"] * 4, META)
     assert torch.isnan(out["strict"][3]) and torch.isnan(out["partial"][3])
-    torch.testing.assert_close(out["partial"][:3], partial[:3], atol=1e-6, rtol=0)
+    torch.testing.assert_close(out["partial"][:3], partial[:3], atol=ONE_ULP, rtol=0)
     # A failed chunk: chunk [0, 1] holds the 'counting' sample and fails with 500; chunk [2, 3] is scored.
     reward = _reward(server, "chunkfail", batch_size=2)
     out = reward(images, ["p"] * 4, META)
@@ -192,7 +215,12 @@ def test_through_multireward_counts_failures(server: str, images: torch.Tensor) 
     assert logs["reward/failure_rate"] == 0.25
     strict, partial = _expected(images)
     assert logs["critic/rewards/geneval/strict/mean"] == pytest.approx(float(strict[:3].mean()))
-    assert logs["critic/rewards/geneval/partial/mean"] == pytest.approx(float(partial[:3].mean()), abs=1e-6)
+    # Three values, each within ONE_ULP of ours, averaged in fp32 on both sides: each side's sum rounds
+    # twice (below 4: within 2^-23 = 2 ulps each) and divides once (half an ulp): in ulps below 1,
+    # (3 + 2·2·2)/3 + 2·½ < 5.
+    assert logs["critic/rewards/geneval/partial/mean"] == pytest.approx(
+        float(partial[:3].mean()), abs=5 * ONE_ULP
+    )
     assert logs["reward/latency_s"] > 0
 
 

@@ -12,6 +12,7 @@ import io
 import json
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from typing import ClassVar
 
@@ -26,23 +27,39 @@ from lit_flowgrpo.rewards.vlm_judge import VLMJudgeReward
 PROMPTS = ["a red cube", "two cats", "FAIL here", "a blue sky"]
 
 
+# /slow answers only once the test releases it, or after this long: far beyond the client's timeout,
+# so a client that waited for the answer would be seen (as a reply) however loaded the machine is.
+# /pairs holds each request until a second one is in flight with it, for as long at most.
+HOLD_S = 30.0
+TIMEOUT_S = 0.2
+
+
 class ChatHandler(BaseHTTPRequestHandler):
-    """Route prefix picks a behaviour: /ok, /slow, /error, /badjson, /noscore, /partial (500 on 'FAIL')."""
+    """Route prefix picks a behaviour: /ok, /pairs, /slow, /error, /badjson, /noscore, /partial
+    (500 on 'FAIL')."""
 
     in_flight = 0
     max_in_flight = 0
+    replies = 0
     lock = threading.Lock()
+    release = threading.Event()
+    pairs = threading.Barrier(2, timeout=HOLD_S)
     seen: ClassVar[list[dict]] = []
 
     def log_message(self, *args: object) -> None:
         pass
 
     def _reply(self, status: int, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        with contextlib.suppress(BrokenPipeError):  # the client timed out and left
+        # Out of flight before the answer goes out: the client may send its next request as soon as
+        # it has read this one, possibly before this thread runs again.
+        self._leave()
+        with ChatHandler.lock:
+            ChatHandler.replies += 1
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client timed out and left
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
             self.wfile.write(body)
 
     def do_GET(self) -> None:
@@ -57,9 +74,15 @@ class ChatHandler(BaseHTTPRequestHandler):
             ChatHandler.in_flight += 1
             ChatHandler.max_in_flight = max(ChatHandler.max_in_flight, ChatHandler.in_flight)
             ChatHandler.seen.append(request)
+        self._in_flight = True
         try:
             self._answer(route, request)
         finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        if getattr(self, "_in_flight", False):
+            self._in_flight = False
             with ChatHandler.lock:
                 ChatHandler.in_flight -= 1
 
@@ -68,7 +91,13 @@ class ChatHandler(BaseHTTPRequestHandler):
         url = next(c["image_url"]["url"] for c in content if c["type"] == "image_url")
         text = next(c["text"] for c in content if c["type"] == "text")
         pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))), dtype=np.float64)
-        time.sleep(0.6 if route == "slow" else 0.05)
+        if route == "slow":
+            ChatHandler.release.wait(HOLD_S)
+        if route == "pairs":
+            ChatHandler.pairs.wait()  # BrokenBarrierError (no reply) if no second request comes
+            # Stay in flight a little longer: a client over its bound would have a third request
+            # counted meanwhile. (A loaded machine can only hide such a bug, never fail the test.)
+            time.sleep(0.1)
         if route == "error" or (route == "partial" and "FAIL" in text):
             return self._reply(500, b'{"error": "boom"}')
         if route == "badjson":
@@ -83,16 +112,24 @@ class ChatHandler(BaseHTTPRequestHandler):
         )
 
 
+# The server prints s = 1 + 4·mean/255 with 6 decimals (off by at most 0.5e-6), the reward divides
+# it by 5; the float64 means agree to an ulp, and each side rounds once to float32 (one ulp below 1).
+ATOL = 0.5e-6 / 5 + 2.0**-24
+
+
 def _expected(images: torch.Tensor) -> torch.Tensor:
     pixels = (images * 255).round().clamp(0, 255).to(torch.float64)
     return ((1 + 4 * pixels.mean(dim=(1, 2, 3)) / 255) / 5).float()
 
 
 @pytest.fixture
-def server(http_server) -> str:
-    ChatHandler.in_flight = ChatHandler.max_in_flight = 0
+def server(http_server) -> Iterator[str]:
+    ChatHandler.in_flight = ChatHandler.max_in_flight = ChatHandler.replies = 0
     ChatHandler.seen = []
-    return http_server(ChatHandler)
+    ChatHandler.release.clear()
+    ChatHandler.pairs.reset()
+    yield http_server(ChatHandler)
+    ChatHandler.release.set()  # let held /slow handlers finish before the server shuts down
 
 
 def _judge(server: str, route: str, **kwargs: object) -> VLMJudgeReward:
@@ -108,10 +145,12 @@ def _judge(server: str, route: str, **kwargs: object) -> VLMJudgeReward:
 
 
 def test_success_and_request_format(server: str, images: torch.Tensor) -> None:
-    judge = _judge(server, "ok", template="Rate: {prompt} ({metadata[tag]})", max_concurrency=2)
+    judge = _judge(server, "pairs", template="Rate: {prompt} ({metadata[tag]})", max_concurrency=2)
     scores = judge(images, PROMPTS, [{"tag": f"t{i}"} for i in range(4)])
-    torch.testing.assert_close(scores, _expected(images), atol=1e-6, rtol=0)
-    assert ChatHandler.max_in_flight == 2  # bounded, and concurrent
+    torch.testing.assert_close(scores, _expected(images), atol=ATOL, rtol=0)
+    # /pairs answers a request only once another is in flight with it: every request was answered,
+    # so two ran at once; never three (bounded).
+    assert ChatHandler.max_in_flight == 2 and judge.endpoint.last_stats.failures == 0
     texts = sorted(
         c["text"] for r in ChatHandler.seen for c in r["messages"][0]["content"] if c["type"] == "text"
     )
@@ -119,13 +158,15 @@ def test_success_and_request_format(server: str, images: torch.Tensor) -> None:
     assert all(r["model"] == "judge" and r["temperature"] == 0.0 for r in ChatHandler.seen)
 
 
-def test_timeout(server: str, images: torch.Tensor) -> None:
-    judge = _judge(server, "slow", timeout_s=0.2, max_concurrency=4)
-    start = time.perf_counter()
+def test_timeout(server: str, images: torch.Tensor, wait_for) -> None:
+    judge = _judge(server, "slow", timeout_s=TIMEOUT_S, max_concurrency=4)
     scores = judge(images, PROMPTS, [])
-    assert time.perf_counter() - start < 0.55
+    # The client came back while the server still held every request: it gave up on its own.
+    assert ChatHandler.replies == 0
     assert torch.isnan(scores).all()
     assert judge.endpoint.last_stats.failures == 4 and "timed out" in judge.endpoint.last_stats.last_error
+    # One attempt each (max_retries=0); the server's handler threads may lag the client.
+    assert wait_for(lambda: len(ChatHandler.seen) >= 4) and len(ChatHandler.seen) == 4
 
 
 def test_500_malformed_json_and_missing_score(server: str, images: torch.Tensor) -> None:
@@ -146,7 +187,7 @@ def test_partial_batch_failure(server: str, images: torch.Tensor) -> None:
     scores = judge(images, PROMPTS, [])
     expected = _expected(images)
     assert torch.isnan(scores[2])
-    torch.testing.assert_close(scores[[0, 1, 3]], expected[[0, 1, 3]], atol=1e-6, rtol=0)
+    torch.testing.assert_close(scores[[0, 1, 3]], expected[[0, 1, 3]], atol=ATOL, rtol=0)
     assert judge.endpoint.last_stats.failures == 1  # one failed sample does not stop the run
 
 

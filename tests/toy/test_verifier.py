@@ -1,10 +1,10 @@
 """The toy verifier and the ``shapes`` reward: accuracy on renders, noise and black images, per-family
-partial scores against hand-counted conditions, components against a flood fill, and speed."""
+partial scores against hand-counted conditions, and components against a flood fill. (Its speed is
+measured by benchmarks/verifier_speed.py, not asserted here.)"""
 
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 
 import numpy as np
@@ -94,19 +94,6 @@ def test_noise_and_black_images_score_zero() -> None:
     black = np.zeros((600, 32, 32, 3), dtype=np.uint8)
     strict, partial = VERIFIER.score_batch(black, records)
     assert strict.max() == 0.0 and partial.max() == 0.0
-
-
-def test_scores_64_images_well_under_100ms() -> None:
-    records, images = _renders(64, seed=5)
-    VERIFIER.score_batch(images, records)  # warm-up
-    best = min(_timed(lambda: VERIFIER.score_batch(images, records)) for _ in range(3))
-    assert best < 0.1  # measured: ≈ 20 ms on one CPU core
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 # ------------------------------------------------------------------ partial, family by family
