@@ -7,11 +7,12 @@ rollout and the update compute differently would show up as policy change and be
 
 - ``compute_dtype``: the matrix products run under ``torch.autocast`` in the base weights' dtype
   (bf16 for the shipped recipes). The LoRA weights stay fp32 master weights, as the optimizer needs;
-  without autocast peft computes the adapters in fp32, casting every adapter input to fp32 and back
-  (a quarter of the step's GPU time at SD3.5-M scale).
+  without autocast peft computes the adapters in fp32, casting every adapter input to fp32 and back.
 - ``compile_blocks``: ``torch.compile`` of each repeated transformer block (regional compilation, as
   diffusers' ``ModelMixin.compile_repeated_blocks``): one compiled graph serves every block of a
-  class, so compiling costs seconds per graph rather than minutes for the whole model.
+  class, so compiling costs seconds per graph rather than minutes for the whole model. The largest
+  lever measured (``benchmarks/results``): the SD3.5-M step twice as fast on an H100. Off by default
+  only because the first rollout and update pay for compiling.
 - ``attention_backend``: the ``scaled_dot_product_attention`` kernel (``torch.nn.attention.sdpa_kernel``).
 - ``rollout_merged_lora``: sampling (no gradient) runs on a copy of each adapted weight with the LoRA
   delta merged in: one matrix product per layer instead of three. Not exact: the update keeps the
@@ -45,9 +46,8 @@ class PerformanceSettings:
             through ``torch.autocast`` while staying fp32 for the optimizer; a float32 base computes
             in float32. ``"float32"``: no autocast (peft then computes fp32 adapters in fp32).
         compile_blocks: ``torch.compile`` each repeated transformer block (regional compilation).
-            The first rollout and the first update compile (a minute or two at SD3.5-M scale); each
-            new batch shape compiles once more, so keep ``--model.sampler.batch_size`` equal to
-            ``--model.update.micro_batch_size``.
+            The first rollout and the first update compile (about a minute at SD3.5-M scale); each
+            new batch shape compiles once more (a short last rollout chunk too).
         compile_backend: the ``torch.compile`` backend (``"inductor"``; ``"aot_eager"`` traces without
             generating kernels, for debugging).
         attention_backend: the ``scaled_dot_product_attention`` kernel: ``"auto"`` lets PyTorch choose;
