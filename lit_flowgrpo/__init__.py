@@ -20,6 +20,7 @@ _EXPORTS = {
     "GroupSampler": "lit_flowgrpo.data",
     "LoraSettings": "lit_flowgrpo.lora",
     "Objective": "lit_flowgrpo.objective",
+    "PerformanceSettings": "lit_flowgrpo.performance",
     "PromptBatch": "lit_flowgrpo.data",
     "PromptDataModule": "lit_flowgrpo.data",
     "Sampler": "lit_flowgrpo.rollout",
@@ -35,6 +36,7 @@ __all__ = [
     "GroupSampler",
     "LoraSettings",
     "Objective",
+    "PerformanceSettings",
     "PromptBatch",
     "PromptDataModule",
     "Sampler",
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
     from lit_flowgrpo.metrics import DiagnosticsSettings
     from lit_flowgrpo.module import FlowGRPOModule, UpdateSettings
     from lit_flowgrpo.objective import FlowGRPO, GRPOGuard, Objective
+    from lit_flowgrpo.performance import PerformanceSettings
     from lit_flowgrpo.rollout import Sampler
 
 

@@ -35,6 +35,7 @@ from lit_flowgrpo.data import PromptBatch
 from lit_flowgrpo.lora import LoraSettings, TrainableWeights
 from lit_flowgrpo.metrics import DiagnosticsSettings, PolicyRatioStats, RewardGroupStats
 from lit_flowgrpo.objective import FlowGRPO, Objective, ScoredStep
+from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies.base import FlowPolicy, index_embeds
 from lit_flowgrpo.rewards.base import MultiReward, RewardOutput, as_reward
 from lit_flowgrpo.rollout import Sampler, Trajectory
@@ -56,7 +57,8 @@ class UpdateSettings:
             under the conditional model alone, which is off-policy by construction.
         max_grad_norm: gradient clipping norm (``None``: no clipping, still logged).
         on_policy_tol: tolerance of the on-policy check, mean |ratio − 1| at the first micro-batch
-            before any update; ``None``: 1e-6 for fp32 weights, 1e-3 otherwise.
+            before any update; ``None``: 1e-6 when the transformer holds and computes fp32, 1e-3
+            otherwise.
     """
 
     num_inner_epochs: int = 1
@@ -94,6 +96,8 @@ class FlowGRPOModule(L.LightningModule):
         reference_copy: full fine-tune only: keep a frozen copy of the initial transformer as the
             KL reference (with LoRA the reference is the same network with the adapter disabled).
         diagnostics: options of the logged ratio/clip/KL statistics.
+        performance: how the transformer computes (dtype, compiled blocks, attention kernel), the
+            same in rollout and update.
         optimizer: ``None`` gives AdamW(lr=3e-4, weight_decay=1e-4).
         lr_scheduler: optional, stepped once per optimizer step.
         seed: seeds the window choice, the update's shuffling and the LoRA init (noise seeds come
@@ -111,6 +115,7 @@ class FlowGRPOModule(L.LightningModule):
         lora: LoraSettings | None = LoraSettings(),
         reference_copy: bool = False,
         diagnostics: DiagnosticsSettings = DiagnosticsSettings(),
+        performance: PerformanceSettings = PerformanceSettings(),
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
         seed: int = 0,
@@ -122,6 +127,7 @@ class FlowGRPOModule(L.LightningModule):
         self.advantage = dataclasses.replace(advantage)
         self.update = dataclasses.replace(update)
         self.diagnostics = dataclasses.replace(diagnostics)
+        self.performance = dataclasses.replace(performance)
         self.objective = FlowGRPO() if objective is None else objective
         self.weights = TrainableWeights(lora, reference_copy=reference_copy, seed=seed)
         self.policy = policy
@@ -135,7 +141,7 @@ class FlowGRPOModule(L.LightningModule):
         self.save_hyperparameters(ignore=["policy", "reward", "objective", "optimizer", "lr_scheduler"])
         # Plain types only in checkpoints (they load with torch.load(weights_only=True)), in the form
         # the CLI parses back.
-        for name in ("sampler", "advantage", "update", "diagnostics"):
+        for name in ("sampler", "advantage", "update", "diagnostics", "performance"):
             self.hparams[name] = dataclasses.asdict(getattr(self, name))
         self.hparams["lora"] = None if lora is None else dataclasses.asdict(lora)
         settings = self.objective.settings()
@@ -166,6 +172,7 @@ class FlowGRPOModule(L.LightningModule):
     def _problems(self) -> list[str]:
         """Every settings problem, each naming its flag, found before any weight is read."""
         p = self.sampler.problems() + self.advantage.problems() + self.update.problems()
+        p += self.performance.problems()
         p += self.objective.problems(self.sampler.sde_type)
         p += self.weights.problems(self.objective.uses_reference)
         p += self.policy.problems() + self.policy.image_size_problems(self.sampler.height, self.sampler.width)
@@ -222,6 +229,7 @@ class FlowGRPOModule(L.LightningModule):
             return
         self.policy.load()
         self.weights.attach(self.policy)
+        self.performance.apply(self.policy.transformer)
         self._configured = True
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.parameters())
@@ -235,14 +243,15 @@ class FlowGRPOModule(L.LightningModule):
         timings = dict.fromkeys(STAGES, 0.0)
         start = t = self._clock()
         embeds = self.policy.encode_prompts(batch.prompts)
-        traj, images = self.sampler.rollout(
-            self.policy,
-            embeds,
-            batch.seeds,
-            step=batch.step,
-            seed=self.seed,
-            keep_means=self.objective.needs_old_mean,
-        )
+        with self.performance.sampling_weights(self.policy.transformer):
+            traj, images = self.sampler.rollout(
+                self.policy,
+                embeds,
+                batch.seeds,
+                step=batch.step,
+                seed=self.seed,
+                keep_means=self.objective.needs_old_mean,
+            )
         timings["gen"], t = self._clock() - t, self._clock()
         rewards = self._score(images, batch)
         timings["reward"], t = self._clock() - t, self._clock()
@@ -334,7 +343,9 @@ class FlowGRPOModule(L.LightningModule):
         if n_micro and traj.num_trained:
             tol = settings.on_policy_tol
             if tol is None:
-                tol = 1e-6 if self.policy.transformer.dtype == torch.float32 else 1e-3
+                transformer = self.policy.transformer
+                fp32 = {transformer.dtype, self.performance.resolved_dtype(transformer)} == {torch.float32}
+                tol = 1e-6 if fp32 else 1e-3
             gen = torch.Generator().manual_seed(self.seed * 7_919 + batch.step)
             first = True
             for _ in range(settings.num_inner_epochs):
@@ -533,7 +544,8 @@ class FlowGRPOModule(L.LightningModule):
     # ----------------------------------------------------------------------------------------------
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> ValidationOutput:
-        images = self.sampler.evaluate(self.policy, list(batch.prompts), batch.seeds)
+        with self.performance.sampling_weights(self.policy.transformer):
+            images = self.sampler.evaluate(self.policy, list(batch.prompts), batch.seeds)
         rewards = self._score(images, batch)
         for name, values in rewards.components.items():
             key = name.replace("/", "__")

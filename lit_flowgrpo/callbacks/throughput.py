@@ -18,6 +18,7 @@ say, an MFU figure on steps that report no timings. ``Trainer(log_every_n_steps=
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping
 from typing import Any, cast
@@ -398,17 +399,21 @@ def measure_transformer_flops(policy: FlowPolicy, height: int, width: int) -> tu
     transformer = policy.transformer
     policy.encode_prompts([""])
     forward = policy.flops_forward(height, width)
-    with torch.no_grad():
-        fwd = measure_flops(transformer, forward)
-    params = [p for p in transformer.parameters() if p.requires_grad]
-    if not params:
-        return fwd, 3 * fwd
-    saved = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    try:
-        fwd_bwd = measure_flops(transformer, forward, loss_fn=lambda out: out.float().sum())
-    finally:
-        for p, g in zip(params, saved, strict=True):
-            p.grad = g
+    # Compiled blocks (--model.performance.compile_blocks) must run eagerly here: a first call of a
+    # compiled module under FlopCounterMode leaves it uncompiled for the rest of the run.
+    set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    with set_stance("force_eager") if set_stance is not None else contextlib.nullcontext():
+        with torch.no_grad():
+            fwd = measure_flops(transformer, forward)
+        params = [p for p in transformer.parameters() if p.requires_grad]
+        if not params:
+            return fwd, 3 * fwd
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            fwd_bwd = measure_flops(transformer, forward, loss_fn=lambda out: out.float().sum())
+        finally:
+            for p, g in zip(params, saved, strict=True):
+                p.grad = g
     return fwd, fwd_bwd

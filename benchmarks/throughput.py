@@ -1,0 +1,983 @@
+"""Throughput, MFU, memory and the on-policy ratio of Flow-GRPO steps at real model scale.
+
+The policy is built from the public model config alone: random weights, no text encoders, prompt
+embeddings of the real shapes (SD3.5: 77 CLIP + 256 T5 tokens = 333 × 4096, pooled 2048). The real
+``FlowGRPOModule`` runs under a real ``lightning.Trainer`` with ``RLThroughputMonitor``; the figures
+are the callback's own logged keys, read back from an in-memory logger. Each optimization is one
+``PerformanceSettings`` / ``Sampler`` setting, switched on one after the other in one run and
+compared with the eager baseline of the same run.
+
+    # SD3.5-Medium, 512 px: eager baseline, each lever, and Flow-GRPO-Fast (one GPU)
+    python benchmarks/throughput.py --model sd35m
+    # FLUX.1-dev / Qwen-Image sized: the rollout (sampling) only
+    python benchmarks/throughput.py --model flux --rollout-only
+    python benchmarks/throughput.py --model qwenimage --rollout-only
+    # the CPU smoke run the tests use (tiny configs, seconds)
+    python benchmarks/throughput.py --tiny --out tiny_results
+
+Results: ``<out>/<device>_<model>.json`` and a markdown table ``<out>/README.md`` (one section per
+results file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+import zlib
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
+from torch import Tensor, nn
+
+from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
+from lit_flowgrpo.callbacks import RLThroughputMonitor, available_flops
+from lit_flowgrpo.performance import PerformanceSettings
+from lit_flowgrpo.policies.base import Embeds
+from lit_flowgrpo.policies.flux import FluxPolicy
+from lit_flowgrpo.policies.qwenimage import QwenImagePolicy
+from lit_flowgrpo.policies.sd3 import SD3Policy
+
+# --------------------------------------------------------------------------------------------------
+# Model specs: the public configs (transformer/config.json, vae/config.json, scheduler of each hub
+# repository) and the shapes of the text conditioning.
+# --------------------------------------------------------------------------------------------------
+
+_SD3_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=["DownEncoderBlock2D"] * 4,
+    up_block_types=["UpDecoderBlock2D"] * 4,
+    block_out_channels=[128, 256, 512, 512],
+    layers_per_block=2,
+    latent_channels=16,
+    norm_num_groups=32,
+    sample_size=1024,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    mid_block_add_attention=True,
+)
+
+# Qwen-Image's VAE normalises each latent channel by these (vae/config.json).
+_QWEN_LATENTS_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]  # fmt: skip
+_QWEN_LATENTS_STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.916]  # fmt: skip
+
+SPECS: dict[str, dict[str, Any]] = {
+    # stabilityai/stable-diffusion-3.5-medium
+    "sd35m": dict(
+        family="sd3",
+        transformer=dict(
+            sample_size=128,
+            patch_size=2,
+            in_channels=16,
+            num_layers=24,
+            attention_head_dim=64,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            caption_projection_dim=1536,
+            pooled_projection_dim=2048,
+            out_channels=16,
+            pos_embed_max_size=384,
+            dual_attention_layers=tuple(range(13)),
+            qk_norm="rms_norm",
+        ),
+        vae=dict(_SD3_VAE, scaling_factor=1.5305, shift_factor=0.0609),
+        scheduler=dict(num_train_timesteps=1000, shift=3.0),
+        text=dict(tokens=333, dim=4096, pooled=2048),
+    ),
+    # black-forest-labs/FLUX.1-dev
+    "flux": dict(
+        family="flux",
+        transformer=dict(
+            patch_size=1,
+            in_channels=64,
+            num_layers=19,
+            num_single_layers=38,
+            attention_head_dim=128,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            pooled_projection_dim=768,
+            guidance_embeds=True,
+            axes_dims_rope=(16, 56, 56),
+        ),
+        vae=dict(_SD3_VAE, scaling_factor=0.3611, shift_factor=0.1159),
+        scheduler=dict(
+            num_train_timesteps=1000,
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+        ),
+        text=dict(tokens=512, dim=4096, pooled=768),
+    ),
+    # Qwen/Qwen-Image
+    "qwenimage": dict(
+        family="qwenimage",
+        transformer=dict(
+            patch_size=2,
+            in_channels=64,
+            out_channels=16,
+            num_layers=60,
+            attention_head_dim=128,
+            num_attention_heads=24,
+            joint_attention_dim=3584,
+            guidance_embeds=False,
+            axes_dims_rope=(16, 56, 56),
+        ),
+        vae=dict(
+            base_dim=96,
+            z_dim=16,
+            dim_mult=[1, 2, 4, 4],
+            num_res_blocks=2,
+            attn_scales=[],
+            temperal_downsample=[False, True, True],
+            dropout=0.0,
+            latents_mean=_QWEN_LATENTS_MEAN,
+            latents_std=_QWEN_LATENTS_STD,
+        ),
+        scheduler=dict(
+            num_train_timesteps=1000,
+            shift=1.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=0.9,
+            base_image_seq_len=256,
+            max_image_seq_len=8192,
+            shift_terminal=0.02,
+            time_shift_type="exponential",
+        ),
+        # A prompt after the chat template's prefix is tens of tokens; 128 is a long one.
+        text=dict(tokens=128, dim=3584),
+    ),
+}
+
+# Tiny configs of the same classes, for the CPU smoke run.
+_TINY_VAE = dict(
+    _SD3_VAE,
+    down_block_types=["DownEncoderBlock2D"] * 2,
+    up_block_types=["UpDecoderBlock2D"] * 2,
+    block_out_channels=[8, 8],
+    layers_per_block=1,
+    norm_num_groups=4,
+    sample_size=32,
+)
+TINY: dict[str, dict[str, Any]] = {
+    "sd35m": dict(
+        SPECS["sd35m"],
+        transformer=dict(
+            sample_size=16,
+            patch_size=2,
+            in_channels=16,
+            num_layers=3,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            caption_projection_dim=16,
+            pooled_projection_dim=24,
+            out_channels=16,
+            pos_embed_max_size=32,
+            dual_attention_layers=(0,),
+            qk_norm="rms_norm",
+        ),
+        vae=dict(_TINY_VAE, scaling_factor=1.5305, shift_factor=0.0609),
+        text=dict(tokens=12, dim=32, pooled=24),
+    ),
+    "flux": dict(
+        SPECS["flux"],
+        transformer=dict(
+            patch_size=1,
+            in_channels=64,
+            num_layers=1,
+            num_single_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=24,
+            guidance_embeds=True,
+            axes_dims_rope=(4, 6, 6),
+        ),
+        vae=dict(_TINY_VAE, scaling_factor=0.3611, shift_factor=0.1159),
+        text=dict(tokens=8, dim=32, pooled=24),
+    ),
+    "qwenimage": dict(
+        SPECS["qwenimage"],
+        transformer=dict(
+            patch_size=2,
+            in_channels=64,
+            out_channels=16,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            guidance_embeds=False,
+            axes_dims_rope=(4, 6, 6),
+        ),
+        vae=dict(SPECS["qwenimage"]["vae"], base_dim=8, dim_mult=[1, 2, 2, 2], num_res_blocks=1),
+        text=dict(tokens=6, dim=32),
+    ),
+}
+
+
+@contextmanager
+def _building_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """Modules built inside get their (random) weights directly on ``device`` in ``dtype``: a 20B
+    model is never materialised in fp32 or on the host, and every buffer is computed as usual."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _frozen(module: nn.Module) -> nn.Module:
+    return module.requires_grad_(False).eval()
+
+
+def _random_rows(key: str, shape: Sequence[int], device: torch.device, dtype: torch.dtype) -> Tensor:
+    """A fixed random tensor per prompt (the same prompt always gets the same embedding)."""
+    gen = torch.Generator(device=device).manual_seed(zlib.crc32(key.encode()))
+    return torch.randn(tuple(shape), generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+
+class _RandomWeights:
+    """What the benchmark policies share: the spec, the device and the dtype to build with."""
+
+    def _setup(self, spec: dict[str, Any], device: str, dtype: str) -> None:
+        self.spec = spec
+        self.build_device = torch.device(device)
+        self.build_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+
+    def problems(self) -> list[str]:
+        return []  # nothing to read from disk
+
+    def _build(self, transformer_cls: type, vae_cls: type) -> tuple[nn.Module, nn.Module, Any]:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        with _building_on(self.build_device, self.build_dtype):
+            transformer = _frozen(transformer_cls(**self.spec["transformer"]))
+            vae = _frozen(vae_cls(**self.spec["vae"]))
+        return transformer, vae, FlowMatchEulerDiscreteScheduler(**self.spec["scheduler"])
+
+
+class BenchSD3Policy(_RandomWeights, SD3Policy):
+    """:class:`SD3Policy` on random weights from the config; prompts map to fixed random embeddings."""
+
+    def __init__(self, spec: dict[str, Any], device: str, dtype: str = "bfloat16") -> None:
+        SD3Policy.__init__(self, "random/sd3", dtype=dtype)
+        self._setup(spec, device, dtype)
+
+    def load(self) -> None:
+        if self.pipe is not None:
+            return
+        from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+        transformer, vae, scheduler = self._build(SD3Transformer2DModel, AutoencoderKL)
+        none = dict.fromkeys(
+            ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3")
+        )
+        self.pipe = StableDiffusion3Pipeline(transformer=transformer, vae=vae, scheduler=scheduler, **none)
+        self._transformer, self.vae, self.text_encoders = transformer, vae, nn.ModuleList()
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str]) -> Embeds:
+        text, device, dtype = self.spec["text"], self.device, self.build_dtype
+        for p in prompts:
+            if p not in self._cache:  # cached like the real encoder's output (velocity asks for "" each call)
+                self._cache[p] = (
+                    _random_rows(p, (text["tokens"], text["dim"]), device, dtype),
+                    _random_rows("pooled:" + p, (text["pooled"],), device, dtype),
+                )
+        rows = [self._cache[p] for p in prompts]
+        return {
+            "prompt_embeds": torch.stack([r[0] for r in rows]),
+            "pooled_prompt_embeds": torch.stack([r[1] for r in rows]),
+        }
+
+
+class BenchFluxPolicy(_RandomWeights, FluxPolicy):
+    """:class:`FluxPolicy` on random weights from the config; T5 and CLIP rows are random."""
+
+    def __init__(self, spec: dict[str, Any], device: str, dtype: str = "bfloat16") -> None:
+        FluxPolicy.__init__(self, "random/flux", dtype=dtype, max_sequence_length=spec["text"]["tokens"])
+        self._setup(spec, device, dtype)
+
+    def load(self) -> None:
+        if self.pipe is not None:
+            return
+        from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
+
+        transformer, vae, scheduler = self._build(FluxTransformer2DModel, AutoencoderKL)
+        none = dict.fromkeys(("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"))
+        self.pipe = FluxPipeline(transformer=transformer, vae=vae, scheduler=scheduler, **none)
+        self._transformer, self.vae = transformer, vae
+
+    def _encode_rows(self, prompts: list[str]) -> list[Embeds]:
+        text, device, dtype = self.spec["text"], self.build_device, self.build_dtype
+        return [
+            {
+                "prompt_embeds": _random_rows(p, (1, text["tokens"], text["dim"]), device, dtype),
+                "pooled_prompt_embeds": _random_rows("pooled:" + p, (1, text["pooled"]), device, dtype),
+            }
+            for p in prompts
+        ]
+
+
+class BenchQwenImagePolicy(_RandomWeights, QwenImagePolicy):
+    """:class:`QwenImagePolicy` on random weights from the config; Qwen2.5-VL rows are random."""
+
+    def __init__(self, spec: dict[str, Any], device: str, dtype: str = "bfloat16") -> None:
+        QwenImagePolicy.__init__(self, "random/qwenimage", dtype=dtype)
+        self._setup(spec, device, dtype)
+
+    def load(self) -> None:
+        if self.pipe is not None:
+            return
+        from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
+
+        transformer, vae, scheduler = self._build(QwenImageTransformer2DModel, AutoencoderKLQwenImage)
+        none = dict.fromkeys(("text_encoder", "tokenizer"))
+        self.pipe = QwenImagePipeline(transformer=transformer, vae=vae, scheduler=scheduler, **none)
+        self._transformer, self.vae = transformer, vae
+
+    def _encode_rows(self, prompts: list[str]) -> list[Embeds]:
+        text, device, dtype = self.spec["text"], self.build_device, self.build_dtype
+        # the negative prompt " " is one token after the template; other prompts take the spec's length
+        return [
+            {
+                "prompt_embeds": _random_rows(
+                    p, (1, 1 if not p.strip() else text["tokens"], text["dim"]), device, dtype
+                )
+            }
+            for p in prompts
+        ]
+
+
+POLICIES = {"sd3": BenchSD3Policy, "flux": BenchFluxPolicy, "qwenimage": BenchQwenImagePolicy}
+
+
+def brightness(images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+    """A reward computed on the GPU at no cost, so the step measures the RL machinery alone."""
+    return images.float().mean(dim=(1, 2, 3))
+
+
+# --------------------------------------------------------------------------------------------------
+# Variants: each lever switched on after the ones before it.
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Variant:
+    name: str
+    what: str
+    performance: PerformanceSettings
+    rollout_batch_size: int | None = None
+    fast: bool = False
+
+
+def variants(micro_batch: int) -> list[Variant]:
+    """The eager baseline, then one lever more per variant (compilation last: it is the costly one to
+    warm up, and it then compiles the fastest eager settings)."""
+    eager = PerformanceSettings(compute_dtype="float32")
+    bf16 = PerformanceSettings()
+    cudnn = PerformanceSettings(attention_backend="cudnn")
+    compiled = PerformanceSettings(attention_backend="cudnn", compile_blocks=True)
+    batch = f"rollout batch {micro_batch} = update micro-batch"
+    return [
+        Variant("eager", "fp32 LoRA compute, eager, whole-batch rollout (the defaults before this)", eager),
+        Variant("bf16_compute", "+ LoRA computes in bf16 under autocast (fp32 master weights)", bf16),
+        Variant("rollout_batch", f"+ {batch} (same forward shapes)", bf16, rollout_batch_size=micro_batch),
+        Variant("cudnn_attention", "+ cuDNN attention kernel", cudnn, rollout_batch_size=micro_batch),
+        Variant(
+            "compile", "+ torch.compile of each transformer block", compiled, rollout_batch_size=micro_batch
+        ),
+        Variant("compile_whole_rollout", "compile, rollout of the whole batch in one forward", compiled),
+        Variant(
+            "merged_rollout",
+            "+ LoRA merged into a copy of the weights for sampling (not exact)",
+            dataclasses.replace(compiled, rollout_merged_lora=True),
+            rollout_batch_size=micro_batch,
+        ),
+    ]
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading the callback's figures
+# --------------------------------------------------------------------------------------------------
+
+
+class MemoryLogger(Logger):
+    """Keeps every logged row in memory: ``rows[step]`` merges what the module and the callbacks log."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: dict[int, dict[str, float]] = {}
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.setdefault(-1 if step is None else int(step), {}).update(
+            {k: float(v) for k, v in metrics.items()}
+        )
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class SyncCounter(L.Callback):
+    """Counts the host-device synchronisations of one training batch (CUDA's sync debug mode), by the
+    line of code that asked for them. The counted batch is left out of the timings."""
+
+    def __init__(self, batch_idx: int) -> None:
+        self.batch_idx = batch_idx
+        self.sites: Counter[str] = Counter()
+        self._catcher: Any = None
+        self._caught: list[Any] = []
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int
+    ) -> None:
+        if i != self.batch_idx or not torch.cuda.is_available():
+            return
+        self._catcher = warnings.catch_warnings(record=True)
+        self._caught = self._catcher.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, out: Any, batch: Any, i: int
+    ) -> None:
+        if self._catcher is None:
+            return
+        torch.cuda.set_sync_debug_mode(0)
+        self._catcher.__exit__(None, None, None)
+        self._catcher = None
+        for w in self._caught:
+            if "synchroniz" in str(w.message):
+                self.sites[f"{_import_path(w.filename)}:{w.lineno}"] += 1
+
+
+def _import_path(filename: str) -> str:
+    """``filename`` relative to the outermost ``sys.path`` entry holding it (``lightning/...``)."""
+    path = os.path.abspath(filename)
+    if "site-packages" + os.sep in path:
+        return path.rsplit("site-packages" + os.sep, 1)[1]
+    roots = [os.path.abspath(r or ".") for r in sys.path]
+    roots = [r for r in roots if path.startswith(r.rstrip(os.sep) + os.sep)]
+    return os.path.relpath(path, min(roots, key=len)) if roots else os.path.basename(path)
+
+
+def _median(rows: list[dict[str, float]], key: str) -> float | None:
+    values = [r[key] for r in rows if key in r and math.isfinite(r[key])]
+    return statistics.median(values) if values else None
+
+
+def summarise(rows: dict[int, dict[str, float]], warmup: int, steps: int) -> dict[str, Any]:
+    """Medians over the measured steps of the callback's keys; the ratio check over every step."""
+    ordered = [rows[s] for s in sorted(k for k in rows if k >= 0)]
+    measured = ordered[warmup : warmup + steps]
+    out: dict[str, Any] = {
+        "images_per_gpu_s": _median(measured, "perf/throughput"),
+        "step_s": _median(measured, "perf/time_per_step"),
+        "mfu_infer": _median(measured, "perf/mfu/actor_infer"),
+        "mfu_actor": _median(measured, "perf/mfu/actor"),
+        "peak_memory_gb": max(
+            (r["perf/max_memory_allocated_gb"] for r in ordered if "perf/max_memory_allocated_gb" in r),
+            default=None,
+        ),
+        "ms_per_image": {
+            stage: _median(measured, f"timing_per_image_ms/{stage}")
+            for stage in ("gen", "reward", "adv", "update_actor", "step")
+        },
+    }
+    ratio_errs = [
+        r["actor/on_policy_ratio_err"] for r in ordered[: warmup + steps] if "actor/on_policy_ratio_err" in r
+    ]
+    out["onpolicy_ratio_abs_dev"] = max(ratio_errs) if ratio_errs else None
+    out["onpolicy_ratio_abs_dev_first_step"] = ratio_errs[0] if ratio_errs else None
+    # The transformer's MFU over the step's two transformer stages (rollout incl. VAE, and update),
+    # time-weighted: (F_fwd·n_gen + F_fwd+bwd·n_update) / ((t_gen + t_update) · peak).
+    t_gen, t_upd = _median(measured, "timing_s/gen"), _median(measured, "timing_s/update_actor")
+    if None not in (out["mfu_infer"], out["mfu_actor"], t_gen, t_upd):
+        out["mfu_transformer"] = (out["mfu_infer"] * t_gen + out["mfu_actor"] * t_upd) / (t_gen + t_upd)
+    else:
+        out["mfu_transformer"] = None
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Runs
+# --------------------------------------------------------------------------------------------------
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_training(
+    spec: dict[str, Any],
+    variant: Variant,
+    args: argparse.Namespace,
+    prompt_file: str,
+    monitor_state: dict[str, Any] | None,
+    count_syncs: bool = False,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``warmup + steps`` full training steps (rollout, reward, advantages, update) under a Trainer."""
+    _free()
+    res = args.resolution
+    if variant.fast:
+        # flow_grpo's pickscore_sd3_fast_nocfg: CPS noise 0.8 in a window of 3 steps starting in
+        # [0, 2], no CFG in rollout or update, clip 1e-5.
+        window = min(3, args.num_steps)
+        sampler = Sampler(
+            num_steps=args.num_steps,
+            noise_level=0.8,
+            sde_type="cps",
+            guidance_scale=1.0,
+            sde_window_size=window,
+            sde_window_range=(0, max(args.num_steps // 2, window)),
+            height=res,
+            width=res,
+            batch_size=variant.rollout_batch_size,
+        )
+        objective, train_cfg = FlowGRPO(clip_range=1e-5, kl_coef=0.0), False
+    else:
+        sampler = Sampler(
+            num_steps=args.num_steps,
+            noise_level=0.7,
+            guidance_scale=4.5,
+            timestep_fraction=0.99,
+            height=res,
+            width=res,
+            batch_size=variant.rollout_batch_size,
+        )
+        objective, train_cfg = FlowGRPO(clip_range=1e-4, kl_coef=0.0), True
+    module = FlowGRPOModule(
+        policy=POLICIES[spec["family"]](spec, args.device, args.dtype),
+        reward=brightness,
+        objective=objective,
+        sampler=sampler,
+        update=UpdateSettings(
+            micro_batch_size=args.micro_batch, optimizer_steps_per_rollout=2, train_cfg=train_cfg
+        ),
+        lora=LoraSettings(rank=32, alpha=64),
+        performance=variant.performance,
+        seed=0,
+    )
+    monitor = RLThroughputMonitor()
+    if monitor_state is not None:
+        # The FLOPs per forward do not depend on the variant: counted once, in the first run.
+        monitor.load_state_dict(monitor_state)
+    sync_counter = SyncCounter(args.warmup + args.steps)
+    logger = MemoryLogger()
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(
+            accelerator="gpu" if args.device.startswith("cuda") else "cpu",
+            devices=1,
+            max_epochs=1,
+            limit_train_batches=args.warmup + args.steps + (1 if count_syncs else 0),
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            logger=logger,
+            callbacks=[monitor, sync_counter] if count_syncs else [monitor],
+            log_every_n_steps=1,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=root,
+        )
+        data = PromptDataModule(
+            train=prompt_file, prompts_per_step=args.prompts, group_size=args.group, seed=0
+        )
+        start = time.perf_counter()
+        trainer.fit(module, datamodule=data)
+        wall = time.perf_counter() - start
+    result = summarise(logger.rows, args.warmup, args.steps)
+    result.update(
+        name=variant.name,
+        what=variant.what,
+        performance=dataclasses.asdict(variant.performance),
+        rollout_batch_size=variant.rollout_batch_size,
+        wall_s=wall,
+        flops_per_image_forward=monitor.flops_per_forward,
+    )
+    if count_syncs:
+        result["host_syncs_per_step"] = sum(sync_counter.sites.values())
+        result["host_sync_sites"] = dict(sync_counter.sites.most_common(8))
+    state = monitor.state_dict()
+    del module, trainer, monitor
+    _free()
+    return result, state
+
+
+def run_rollout(spec: dict[str, Any], variant: Variant, args: argparse.Namespace) -> dict[str, Any]:
+    """Timed rollouts (sampling with recorded log-probs, and decoding) of the real module's sampler."""
+    _free()
+    from lightning.fabric.utilities.throughput import measure_flops
+
+    res = args.resolution
+    family = spec["family"]
+    policy = POLICIES[family](spec, args.device, args.dtype)
+    guidance = {"sd3": 4.5, "flux": 3.5, "qwenimage": 4.0}[family]
+    module = FlowGRPOModule(
+        policy=policy,
+        reward=brightness,
+        sampler=Sampler(num_steps=args.num_steps, guidance_scale=guidance, height=res, width=res),
+        lora=LoraSettings(),  # the family's default rank and targets
+        performance=variant.performance,
+    )
+    module.configure_model()
+    device = torch.device(args.device)
+    n = args.rollout_images
+    embeds = policy.encode_prompts([f"prompt {i}" for i in range(n)])
+    seeds = torch.arange(n)
+    rows = 2 if (guidance > 1 and policy.uses_cfg_batch) else 1
+    times = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for i in range(args.warmup + args.steps):
+        _sync(device)
+        t = time.perf_counter()
+        module.sampler.rollout(policy, embeds, seeds, step=i, seed=0)
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    t_rollout = statistics.median(times[args.warmup :])
+    with torch.no_grad():
+        flops = measure_flops(policy.transformer, policy.flops_forward(res, res))
+    peak = available_flops(device, torch.bfloat16) if device.type == "cuda" else None
+    forwards = n * args.num_steps * rows
+    result = {
+        "name": variant.name,
+        "what": variant.what,
+        "performance": dataclasses.asdict(variant.performance),
+        "images_per_gpu_s": n / t_rollout,
+        "rollout_ms_per_image": 1000 * t_rollout / n,
+        "flops_per_image_forward": flops,
+        "mfu_infer": flops * forwards / (t_rollout * peak) if peak else None,
+        "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "parameters_b": sum(p.numel() for p in policy.transformer.parameters()) / 1e9,
+    }
+    del module, policy
+    _free()
+    return result
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------------
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}" if abs(x) < 1e-2 else f"{x:.{digits}f}"
+    return str(x)
+
+
+def table(result: dict[str, Any]) -> str:
+    """The markdown table of one results file."""
+    base = result.get("baseline_images_per_gpu_s")
+    first = result["variants"][0]["name"] if result["variants"] else "first"
+    lines = [f"### {result['config']} on {result['device_name']} (1 GPU), {result['resolution']} px", ""]
+    rollout = result["mode"] == "rollout"
+    if rollout:
+        lines += [
+            f"| variant | images/GPU/s (rollout only) | × {first} | rollout ms/image | MFU | peak GiB |",
+            "|---|---|---|---|---|---|",
+        ]
+    else:
+        lines += [
+            f"| variant | images/GPU/s | × {first} | × previous | rollout ms/image | update ms/image "
+            "| MFU rollout / update | max mean\\|ratio−1\\| | peak GiB |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+    previous = None
+    for v in result["variants"]:
+        ips = v.get("images_per_gpu_s")
+        if ips is None:
+            lines.append(f"| {v['name']} | failed: {v.get('error', '?')[:160]} |")
+            continue
+        over_base = _ratio(ips, base)
+        if rollout:
+            lines.append(
+                f"| {v['name']} | {_fmt(ips)} | {over_base} | {_fmt(v['rollout_ms_per_image'], 1)} | "
+                f"{_pct(v['mfu_infer'])} | {_fmt(v['peak_memory_gb'], 1)} |"
+            )
+            continue
+        step = "—" if v.get("fast") else _ratio(ips, previous)
+        ms = v["ms_per_image"]
+        lines.append(
+            f"| {v['name']} | {_fmt(ips)} | {over_base} | {step} | {_fmt(ms['gen'], 1)} | "
+            f"{_fmt(ms['update_actor'], 1)} | {_pct(v['mfu_infer'])} / {_pct(v['mfu_actor'])} | "
+            f"{_fmt(v['onpolicy_ratio_abs_dev'], 2)} | {_fmt(v['peak_memory_gb'], 1)} |"
+        )
+        if not v.get("fast"):
+            previous = ips
+    return "\n".join(lines)
+
+
+def _ratio(x: float, ref: float | None) -> str:
+    return "—" if not ref else f"{x / ref:.2f}"
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.1f}%"
+
+
+def write_readme(out: Path) -> None:
+    """``README.md`` of the results folder: one table per results file."""
+    sections = [
+        "# Throughput benchmark results",
+        "",
+        "Written by `benchmarks/throughput.py`; one section per JSON file here. The policy is built from the",
+        "public config with random weights and prompt embeddings of the real shapes (no text encoders); the",
+        "real `FlowGRPOModule` runs under a `lightning.Trainer` and every figure is `RLThroughputMonitor`'s",
+        "(medians over the measured rollouts after warm-up, where compilation happens). Training runs: 512 px,",
+        "10 steps, CFG 4.5 in rollout and update (`train_cfg`), `timestep_fraction` 0.99, clip 1e-4, β 0,",
+        "16 images per GPU (2 prompts × 8), update micro-batch 8, 2 optimizer steps per rollout, bf16 base,",
+        "fp32 LoRA r32 α64 on the 8 attention projections, a brightness reward computed on the GPU.",
+        "Rollout-only runs (FLUX.1-dev, Qwen-Image sized): 4 images of 10 steps, the family's LoRA (r64).",
+        "MFU is against 989.4 TFLOP/s dense bf16; `max mean|ratio−1|` is `actor/on_policy_ratio_err`, the",
+        "largest over the run's rollouts (each read before that rollout's first optimizer step).",
+        "",
+    ]
+    for path in sorted(out.glob("*.json")):
+        result = json.loads(path.read_text())
+        note = [result["note"], ""] if result.get("note") else []
+        sections += [table(result), "", *note, f"Command: `{result['command']}`", ""]
+    (out / "README.md").write_text("\n".join(sections))
+
+
+# --------------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", choices=sorted(SPECS), default="sd35m")
+    p.add_argument("--tiny", action="store_true", help="tiny configs on the CPU (the smoke test)")
+    p.add_argument(
+        "--rollout-only", action="store_true", help="time the rollout only (FLUX / Qwen-Image sizes)"
+    )
+    p.add_argument("--variants", default=None, help="comma-separated subset of the variants (default: all)")
+    p.add_argument("--no-fast", dest="fast", action="store_false", help="skip the Flow-GRPO-Fast run")
+    p.add_argument(
+        "--warmup", type=int, default=2, help="rollouts before measuring (compilation happens here)"
+    )
+    p.add_argument("--steps", type=int, default=3, help="measured rollouts (the median is reported)")
+    p.add_argument("--resolution", type=int, default=512)
+    p.add_argument("--num-steps", type=int, default=10, help="denoising steps")
+    p.add_argument("--prompts", type=int, default=2, help="prompts per rollout (M)")
+    p.add_argument("--group", type=int, default=8, help="images per prompt (K)")
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--rollout-images", type=int, default=4, help="images per timed rollout (--rollout-only)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument(
+        "--count-syncs",
+        action="store_true",
+        help="count host syncs in one extra step of the last variant (CUDA)",
+    )
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = p.parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.tiny:
+        args.resolution = min(args.resolution, 32 if args.model != "qwenimage" else 64)
+        args.num_steps = min(args.num_steps, 3)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    spec = (TINY if args.tiny else SPECS)[args.model]
+    device = torch.device(args.device)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    config = f"{args.model}{'_tiny' if args.tiny else ''}_{args.resolution}px"
+    chosen = variants(args.micro_batch)
+    if args.variants:
+        names = args.variants.split(",")
+        unknown = set(names) - {v.name for v in chosen}
+        if unknown:
+            raise SystemExit(f"--variants: unknown {sorted(unknown)}; choose from {[v.name for v in chosen]}")
+        chosen = [next(v for v in chosen if v.name == name) for name in names]  # in the order given
+    if device.type == "cpu":
+        # inductor on the CPU needs a compiler toolchain and minutes: the smoke run traces with
+        # aot_eager; cuDNN attention is CUDA-only
+        for v in chosen:
+            v.performance = dataclasses.replace(
+                v.performance,
+                compile_backend="aot_eager",
+                attention_backend="auto"
+                if v.performance.attention_backend == "cudnn"
+                else v.performance.attention_backend,
+            )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {
+        "device": device_name.replace(" ", "_"),
+        "device_name": device_name,
+        "num_gpus": 1,
+        "config": config,
+        "mode": "rollout" if args.rollout_only else "training",
+        "resolution": args.resolution,
+        "setup": {
+            k: getattr(args, k)
+            for k in (
+                "num_steps",
+                "prompts",
+                "group",
+                "micro_batch",
+                "rollout_images",
+                "warmup",
+                "steps",
+                "dtype",
+            )
+        },
+        "torch": torch.__version__,
+        "command": "python benchmarks/throughput.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "variants": [],
+    }
+    print(f"{config} on {device_name}: {', '.join(v.name for v in chosen)}", flush=True)
+
+    def record(result: dict[str, Any]) -> None:
+        # written after every variant, so a run cut short keeps what it measured
+        summary["variants"].append(result)
+        print(json.dumps(result), flush=True)
+        _finish(summary)
+        (out / f"{summary['device']}_{config}.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_readme(out)
+
+    if args.rollout_only:
+        for v in chosen:
+            try:
+                record(run_rollout(spec, v, args))
+            except Exception as err:
+                record(_failed(v, err))
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            prompt_file = os.path.join(tmp, "prompts.txt")
+            Path(prompt_file).write_text("\n".join(f"prompt number {i}" for i in range(64)) + "\n")
+            state = None
+            for i, v in enumerate(chosen):
+                _adapt_to_this_run(v, summary["variants"])
+                last = i == len(chosen) - 1
+                try:
+                    result, state = run_training(spec, v, args, prompt_file, state, args.count_syncs and last)
+                except Exception as err:  # a lever that fails here is reported, the others still run
+                    result = _failed(v, err)
+                record(result)
+            if args.fast:
+                best = max(summary["variants"], key=lambda r: r["images_per_gpu_s"] or 0.0)
+                source = next(v for v in chosen if v.name == best["name"])
+                fast = dataclasses.replace(
+                    source,
+                    name="fast_nocfg",
+                    what=f"Flow-GRPO-Fast (CPS, window 3, no CFG) with {best['name']}'s settings",
+                    fast=True,
+                )
+                result, _ = run_training(spec, fast, args, prompt_file, state)
+                result["fast"] = True
+                record(result)
+    print(table(summary), flush=True)
+    return summary
+
+
+def _failed(variant: Variant, err: Exception) -> dict[str, Any]:
+    import traceback
+
+    traceback.print_exc()
+    _free()
+    return {
+        "name": variant.name,
+        "what": variant.what,
+        "performance": dataclasses.asdict(variant.performance),
+        "error": f"{type(err).__name__}: {err}"[:2000],
+        "images_per_gpu_s": None,
+    }
+
+
+def _adapt_to_this_run(variant: Variant, done: list[dict[str, Any]]) -> None:
+    """Compile with the forced attention kernel only if it beat PyTorch's own choice in this run; merge
+    on top of the faster rollout batch of this run."""
+    by_name = {r["name"]: r.get("images_per_gpu_s") for r in done}
+    if variant.name == "merged_rollout":
+        split, whole = by_name.get("compile"), by_name.get("compile_whole_rollout")
+        if whole is not None and (split is None or whole > split):
+            variant.rollout_batch_size = None
+            variant.what += ", whole-batch rollout"
+    if not variant.performance.compile_blocks or variant.performance.attention_backend == "auto":
+        return
+    forced, chosen = by_name.get("cudnn_attention"), by_name.get("rollout_batch")
+    if forced is not None and (chosen is None or forced >= chosen):
+        return
+    if "cudnn_attention" not in by_name:
+        return  # not measured in this run: keep the setting as asked
+    variant.performance = dataclasses.replace(variant.performance, attention_backend="auto")
+    variant.what += " (PyTorch's attention kernel: cuDNN was not faster here)"
+
+
+def _finish(summary: dict[str, Any]) -> None:
+    """The headline keys, from the variants measured so far."""
+    results = summary["variants"]
+    full = [r for r in results if not r.get("fast")]
+    best = max(full, key=lambda r: r["images_per_gpu_s"] or 0.0)
+    if best["images_per_gpu_s"] is None:
+        return
+    fast = next((r for r in results if r.get("fast")), None)
+    summary.update(
+        images_per_gpu_s=best["images_per_gpu_s"],
+        best_variant=best["name"],
+        baseline_images_per_gpu_s=full[0]["images_per_gpu_s"],
+        speedup=best["images_per_gpu_s"] / full[0]["images_per_gpu_s"]
+        if full[0]["images_per_gpu_s"]
+        else None,
+        mfu_transformer=best.get("mfu_transformer", best.get("mfu_infer")),
+        onpolicy_ratio_abs_dev=best.get("onpolicy_ratio_abs_dev"),
+        peak_memory_gb=best.get("peak_memory_gb"),
+        fast_images_per_gpu_s=None if fast is None else fast["images_per_gpu_s"],
+        fast_over_full=None
+        if fast is None or fast["images_per_gpu_s"] is None
+        else fast["images_per_gpu_s"] / best["images_per_gpu_s"],
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""Speed settings of the transformer's forward: compute dtype, regional compilation, attention backend.
+
+Every setting acts on the one place all transformer forwards go through, the transformer itself, so
+the rollout, the update and the KL reference (and the FLOP count) run with the same numerics: the
+importance ratio at the first update stays at 1 up to the dtype's rounding. A speed-up that made the
+rollout and the update compute differently would show up as policy change and be clipped.
+
+- ``compute_dtype``: the matrix products run under ``torch.autocast`` in the base weights' dtype
+  (bf16 for the shipped recipes). The LoRA weights stay fp32 master weights, as the optimizer needs;
+  without autocast peft computes the adapters in fp32, casting every adapter input to fp32 and back.
+- ``compile_blocks``: ``torch.compile`` of each repeated transformer block (regional compilation, as
+  diffusers' ``ModelMixin.compile_repeated_blocks``): one compiled graph serves every block of a
+  class, so compiling costs seconds per graph rather than minutes for the whole model. The largest
+  lever measured (``benchmarks/results``): the SD3.5-M step twice as fast on an H100. Off by default
+  only because the first rollout and update pay for compiling.
+- ``attention_backend``: the ``scaled_dot_product_attention`` kernel (``torch.nn.attention.sdpa_kernel``).
+- ``rollout_merged_lora``: sampling (no gradient) runs on a copy of each adapted weight with the LoRA
+  delta merged in: one matrix product per layer instead of three. Not exact: the update keeps the
+  adapter path, so rollout and update round differently in bf16 (``actor/on_policy_ratio_err``
+  reports by how much); off by default.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+__all__ = ["PerformanceSettings"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class PerformanceSettings:
+    """How the policy's transformer computes (rollout, update and reference alike).
+
+    Args:
+        compute_dtype: dtype of the transformer's matrix products. ``"auto"``: the dtype of most of
+            its weights (the frozen base: bf16 in the recipes), so fp32 LoRA weights compute in bf16
+            through ``torch.autocast`` while staying fp32 for the optimizer; a float32 base computes
+            in float32. ``"float32"``: no autocast (peft then computes fp32 adapters in fp32).
+        compile_blocks: ``torch.compile`` each repeated transformer block (regional compilation).
+            The first rollout and the first update compile (about a minute at SD3.5-M scale); each
+            new batch shape compiles once more (a short last rollout chunk too).
+        compile_backend: the ``torch.compile`` backend (``"inductor"``; ``"aot_eager"`` traces without
+            generating kernels, for debugging).
+        attention_backend: the ``scaled_dot_product_attention`` kernel: ``"auto"`` lets PyTorch choose;
+            ``"cudnn"``, ``"flash"``, ``"efficient"`` or ``"math"`` force one (an error names the
+            reason if it cannot run the model's attention).
+        rollout_merged_lora: sample the rollout (and validation) with each LoRA delta merged into a
+            copy of its base weight, which costs the memory of the adapted weights (bf16). Not exact
+            (see the module docstring): watch ``actor/on_policy_ratio_err``. Single-device and DDP
+            only (sharded weights cannot be swapped).
+    """
+
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    compile_blocks: bool = False
+    compile_backend: str = "inductor"
+    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
+    rollout_merged_lora: bool = False
+
+    def problems(self, flag: str = "--model.performance") -> list[str]:
+        p = []
+        if self.compute_dtype not in ("auto", *_DTYPES):
+            p.append(
+                f"{flag}.compute_dtype ({self.compute_dtype}) must be auto, float32, bfloat16 or float16"
+            )
+        if self.attention_backend not in ("auto", *_SDPA_BACKENDS):
+            p.append(
+                f"{flag}.attention_backend ({self.attention_backend}) must be auto, "
+                + ", ".join(_SDPA_BACKENDS)
+            )
+        if self.compile_blocks:
+            import torch._dynamo
+
+            backends = torch._dynamo.list_backends(exclude_tags=())
+            if self.compile_backend not in backends:
+                p.append(
+                    f"{flag}.compile_backend ({self.compile_backend}) is not a torch.compile backend: "
+                    f"use one of {backends}"
+                )
+        return p
+
+    def resolved_dtype(self, transformer: nn.Module) -> torch.dtype:
+        """The dtype the transformer's matrix products run in."""
+        if self.compute_dtype != "auto":
+            return _DTYPES[self.compute_dtype]
+        counts: Counter[torch.dtype] = Counter()
+        for p in transformer.parameters():
+            if p.is_floating_point():
+                counts[p.dtype] += p.numel()
+        return counts.most_common(1)[0][0] if counts else torch.float32
+
+    def apply(self, transformer: nn.Module) -> None:
+        """Set the transformer up to compute as configured; call once, after the adapter is attached."""
+        dtype = self.resolved_dtype(transformer)
+        autocast = dtype != torch.float32 and any(
+            p.dtype != dtype for p in transformer.parameters() if p.is_floating_point()
+        )
+        if autocast:
+            from peft.tuners.tuners_utils import BaseTunerLayer
+
+            # peft casts each adapter's input to the adapter weights' dtype (fp32); autocast casts it
+            # straight back to `dtype`: two wasted passes over the activations per adapted layer.
+            for module in transformer.modules():
+                if isinstance(module, BaseTunerLayer):
+                    module.cast_input_dtype_enabled = False
+        backend = None if self.attention_backend == "auto" else _sdpa_backend(self.attention_backend)
+        if autocast or backend is not None:
+            scope = _ForwardScope(dtype if autocast else None, backend)
+            transformer.register_forward_pre_hook(scope.enter, with_kwargs=True)
+            transformer.register_forward_hook(scope.exit, always_call=True)
+        if self.rollout_merged_lora:
+            _mergeable_lora_layers(transformer)  # fails now, not at the first rollout
+        if self.compile_blocks:
+            _compile_repeated_blocks(transformer, self.compile_backend)
+
+    @contextmanager
+    def sampling_weights(self, transformer: nn.Module) -> Iterator[None]:
+        """Inside, the transformer samples with merged LoRA weights (``rollout_merged_lora``); else
+        nothing changes. The base weights are swapped, not modified: they are bit for bit the same
+        afterwards (merging into them and subtracting again would drift by a rounding per rollout)."""
+        if not self.rollout_merged_lora:
+            yield
+            return
+        layers = _mergeable_lora_layers(transformer)
+        swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
+        try:
+            with torch.no_grad():
+                for layer in layers:
+                    base = layer.get_base_layer()
+                    delta = sum(layer.get_delta_weight(name) for name in layer.active_adapters)
+                    # one rounding to the base dtype, of W + s·B·A computed in fp32
+                    merged = (base.weight.float() + delta.float()).to(base.weight.dtype)
+                    swapped.append((base.weight, base.weight.data))
+                    base.weight.data = merged
+                    layer.enable_adapters(False)
+            yield
+        finally:
+            for layer in layers:
+                layer.enable_adapters(True)
+            for param, data in swapped:
+                param.data = data
+
+
+_SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
+
+
+def _sdpa_backend(name: str) -> Any:
+    from torch.nn.attention import SDPBackend
+
+    return {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[name]
+
+
+class _ForwardScope:
+    """Autocast and the attention backend around each transformer forward.
+
+    Entered by a forward pre-hook and left by a forward hook that also runs when the forward raises,
+    so every caller (the sampler, the update, the reference, FLOP counting) gets the same numerics
+    without wrapping its calls. Hooks rather than a wrapper module keep the transformer's parameter
+    names, hence the checkpoints and exported adapters, unchanged.
+    """
+
+    def __init__(self, dtype: torch.dtype | None, backend: Any) -> None:
+        self.dtype = dtype
+        self.backend = backend
+        self._open: list[ExitStack] = []
+
+    def enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        stack = ExitStack()
+        if self.dtype is not None:
+            device = next(module.parameters()).device.type
+            stack.enter_context(torch.autocast(device_type=device, dtype=self.dtype))
+        if self.backend is not None:
+            from torch.nn.attention import sdpa_kernel
+
+            stack.enter_context(sdpa_kernel([self.backend]))
+        self._open.append(stack)
+
+    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._open:
+            self._open.pop().close()
+
+
+def _mergeable_lora_layers(transformer: nn.Module) -> list[Any]:
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
+    flag = "--model.performance.rollout_merged_lora"
+    if not layers:
+        raise ValueError(f"{flag} needs a LoRA adapter (--model.lora): there is nothing to merge")
+    for layer in layers:
+        if not isinstance(layer, LoraLinear) or layer.lora_variant or layer.merged or layer.disable_adapters:
+            raise ValueError(
+                f"{flag}: {type(layer).__name__} layers (variants such as DoRA, merged or disabled adapters) "
+                "cannot be merged for sampling; set it to false"
+            )
+    return layers
+
+
+def _compile_repeated_blocks(transformer: nn.Module, backend: str) -> None:
+    import torch._dynamo
+
+    # Each block class × mode (rollout: eval, no grad; update: train, grad) × batch shape is its own
+    # graph on the one code object all compiled modules share; past torch's default limit of 8 the
+    # remaining blocks would silently run eagerly.
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), 64))
+    classes = set(getattr(transformer, "_repeated_blocks", None) or _block_classes(transformer))
+    if not classes:
+        raise ValueError(
+            f"--model.performance.compile_blocks: {type(transformer).__name__} has no repeated blocks "
+            "(no _repeated_blocks and no list of same-class layers): set it to false"
+        )
+    for module in transformer.modules():
+        if type(module).__name__ in classes:
+            module.compile(backend=backend, dynamic=False)
+
+
+def _block_classes(transformer: nn.Module) -> set[str]:
+    """Class names of the layers of every ``nn.ModuleList`` holding several of one class.
+
+    diffusers names them in ``_repeated_blocks`` only for some models (not SD3 as of 0.42); their
+    layer stacks are such lists (``transformer_blocks``, ``single_transformer_blocks``).
+    """
+    names: set[str] = set()
+    for module in transformer.modules():
+        if isinstance(module, nn.ModuleList):
+            counts = Counter(type(m).__name__ for m in module)
+            names |= {n for n, c in counts.items() if c > 1}
+    return names

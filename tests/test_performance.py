@@ -1,0 +1,182 @@
+"""PerformanceSettings: fp32 adapters computing in the bf16 base's dtype, the forward hooks, compiled
+blocks, and the errors that name the flag."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
+
+from lit_flowgrpo import FlowGRPOModule
+from lit_flowgrpo.lora import LoraSettings, TrainableWeights
+from lit_flowgrpo.performance import PerformanceSettings
+from lit_flowgrpo.policies import SD3Policy
+
+
+def adapted_policy(path: str, dtype: str, performance: PerformanceSettings) -> SD3Policy:
+    policy = SD3Policy(path, dtype=dtype, max_sequence_length=16)
+    policy.load()
+    TrainableWeights(LoraSettings(rank=4, alpha=8)).attach(policy)
+    performance.apply(policy.transformer)
+    return policy
+
+
+def velocity_inputs(policy: SD3Policy, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    gen = torch.Generator().manual_seed(seed)
+    latents = torch.randn((2, *policy.latent_shape(32, 32)), generator=gen)
+    sigma = torch.rand(2, generator=gen) * 0.9 + 0.05
+    return latents, sigma, policy.encode_prompts(["a red square", "two blue circles"])
+
+
+def lora_output_dtypes(policy: SD3Policy) -> set[torch.dtype]:
+    """dtypes of every adapter's down-projection output during one CFG velocity forward."""
+    seen: set[torch.dtype] = set()
+    hooks = [
+        m.lora_A["default"].register_forward_hook(lambda mod, args, out: seen.add(out.dtype))
+        for m in policy.transformer.modules()
+        if isinstance(m, BaseTunerLayer)
+    ]
+    try:
+        with torch.no_grad():
+            policy.velocity(*velocity_inputs(policy), 4.5)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def test_problems_name_the_flag(tiny_sd3_path):
+    bad = PerformanceSettings(
+        compute_dtype="float8",  # type: ignore[arg-type]
+        attention_backend="fastest",  # type: ignore[arg-type]
+        compile_blocks=True,
+        compile_backend="no_such_backend",
+    )
+    problems = bad.problems()
+    assert len(problems) == 3
+    for name in ("compute_dtype", "attention_backend", "compile_backend"):
+        assert any(p.startswith(f"--model.performance.{name}") for p in problems), problems
+    with pytest.raises(ValueError, match=r"--model\.performance\.compute_dtype"):
+        FlowGRPOModule(
+            policy=SD3Policy(tiny_sd3_path),
+            reward=lambda images, prompts, metadata: images.mean(dim=(1, 2, 3)),
+            performance=PerformanceSettings(compute_dtype="float8"),  # type: ignore[arg-type]
+        )
+
+
+def test_auto_runs_fp32_adapters_in_the_bf16_base_dtype(tiny_sd3_path):
+    policy = adapted_policy(tiny_sd3_path, "bfloat16", PerformanceSettings())
+    trainable = [p for p in policy.transformer.parameters() if p.requires_grad]
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)  # master weights stay fp32
+    assert lora_output_dtypes(policy) == {torch.bfloat16}
+    assert not any(
+        m.cast_input_dtype_enabled for m in policy.transformer.modules() if isinstance(m, BaseTunerLayer)
+    )
+
+    policy.transformer.train()
+    policy.velocity(*velocity_inputs(policy), 4.5).square().mean().backward()
+    grads = [p.grad for p in trainable]
+    assert all(g is not None and g.dtype == torch.float32 for g in grads)
+    assert all(bool(torch.isfinite(g).all()) for g in grads)
+    assert any(bool(g.abs().sum() > 0) for g in grads)
+    assert not torch.is_autocast_enabled("cpu")  # the scope ends with the forward
+
+
+def test_float32_keeps_pefts_fp32_adapter_compute(tiny_sd3_path):
+    policy = adapted_policy(tiny_sd3_path, "bfloat16", PerformanceSettings(compute_dtype="float32"))
+    assert lora_output_dtypes(policy) == {torch.float32}
+    assert not policy.transformer._forward_pre_hooks
+
+
+def test_auto_leaves_a_float32_model_alone(tiny_sd3_path):
+    settings = PerformanceSettings()
+    policy = adapted_policy(tiny_sd3_path, "float32", settings)
+    assert settings.resolved_dtype(policy.transformer) == torch.float32
+    assert not policy.transformer._forward_pre_hooks and not policy.transformer._forward_hooks
+    assert lora_output_dtypes(policy) == {torch.float32}
+
+
+def test_scope_is_left_when_the_forward_raises(tiny_sd3_path):
+    policy = adapted_policy(tiny_sd3_path, "bfloat16", PerformanceSettings(attention_backend="math"))
+    with pytest.raises((RuntimeError, ValueError, TypeError)):
+        policy.transformer(hidden_states=torch.randn(1, 3, 5, 5), timestep=torch.ones(1))
+    assert not torch.is_autocast_enabled("cpu")
+    # the next forward opens its scope afresh and works
+    assert lora_output_dtypes(policy) == {torch.bfloat16}
+
+
+def test_compiled_blocks_compute_what_eager_blocks_compute(tiny_sd3_path):
+    # dynamo's "eager" backend runs the captured ops unchanged, so outputs and gradients must agree
+    # bit for bit: this checks the wiring (every block compiled, hooks and adapters inside the graph),
+    # not a code generator's rounding.
+    eager = adapted_policy(tiny_sd3_path, "float32", PerformanceSettings())
+    compiled = adapted_policy(
+        tiny_sd3_path, "float32", PerformanceSettings(compile_blocks=True, compile_backend="eager")
+    )
+    blocks = compiled.transformer.transformer_blocks
+    assert len(blocks) > 1 and all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
+    inputs = velocity_inputs(eager, seed=1)
+    outs, grads = [], []
+    for policy in (eager, compiled):
+        policy.transformer.train()
+        out = policy.velocity(*inputs, 4.5)
+        out.square().mean().backward()
+        outs.append(out.detach())
+        grads.append([p.grad.clone() for p in policy.transformer.parameters() if p.requires_grad])
+    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_merged_sampling_computes_the_adapted_model_and_restores_the_weights(tiny_sd3_path):
+    settings = PerformanceSettings(rollout_merged_lora=True)
+    policy = adapted_policy(tiny_sd3_path, "float32", settings)
+    transformer = policy.transformer
+    with torch.no_grad():  # a non-zero adapter (gaussian init starts B at 0: a merge of nothing)
+        for i, (name, p) in enumerate(transformer.named_parameters()):
+            if "lora_B" in name:
+                p.normal_(std=0.05, generator=torch.Generator().manual_seed(i))
+    frozen = {n: p.detach().clone() for n, p in transformer.named_parameters() if not p.requires_grad}
+    layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
+    inputs = velocity_inputs(policy, seed=2)
+    with torch.no_grad():
+        adapted = policy.velocity(*inputs, 4.5)
+        transformer.disable_adapters()
+        base = policy.velocity(*inputs, 4.5)
+        transformer.enable_adapters()
+        with settings.sampling_weights(transformer):
+            assert all(m.disable_adapters for m in layers)  # the merged weights alone compute
+            merged = policy.velocity(*inputs, 4.5)
+    # fp32 reassociation W·x + B·(A·x) → (W + B·A)·x costs a few ulps per product: far below 1e-5,
+    # while the adapter itself moves the output by orders of magnitude more
+    assert (merged - adapted).norm() / adapted.norm() < 1e-5
+    assert (base - adapted).norm() / adapted.norm() > 1e-3
+    for n, p in transformer.named_parameters():
+        if n in frozen:
+            assert torch.equal(p, frozen[n]), f"{n} changed"
+    assert all(not m.disable_adapters for m in layers)
+    assert all(p.requires_grad for n, p in transformer.named_parameters() if "lora_" in n)
+
+
+def test_merged_sampling_needs_an_adapter(tiny_sd3_path):
+    policy = SD3Policy(tiny_sd3_path, dtype="float32", max_sequence_length=16)
+    policy.load()
+    TrainableWeights(None).attach(policy)
+    with pytest.raises(ValueError, match=r"--model\.performance\.rollout_merged_lora needs a LoRA"):
+        PerformanceSettings(rollout_merged_lora=True).apply(policy.transformer)
+
+
+def test_flop_counting_leaves_compiled_blocks_compiled(tiny_sd3_path):
+    # RLThroughputMonitor counts FLOPs at train start, before the first rollout: a compiled block
+    # first called under FlopCounterMode used to stay eager for the whole run, silently.
+    from torch._dynamo.utils import counters
+
+    from lit_flowgrpo.callbacks import measure_transformer_flops
+
+    policy = adapted_policy(
+        tiny_sd3_path, "float32", PerformanceSettings(compile_blocks=True, compile_backend="eager")
+    )
+    measure_transformer_flops(policy, 32, 32)
+    counters.clear()
+    with torch.no_grad():
+        policy.velocity(*velocity_inputs(policy), 4.5)
+    assert counters["frames"]["ok"] > 0, "no block was compiled after the FLOP count"
