@@ -347,6 +347,7 @@ class FlowGRPOModule(L.LightningModule):
                 fp32 = {transformer.dtype, self.performance.resolved_dtype(transformer)} == {torch.float32}
                 tol = 1e-6 if fp32 else 1e-3
             gen = torch.Generator().manual_seed(self.seed * 7_919 + batch.step)
+            sample_ids = batch.sample_ids.to(self.device)  # once: a copy inside the loop would synchronise
             first = True
             for _ in range(settings.num_inner_epochs):
                 order = kept[torch.randperm(len(kept), generator=gen).to(kept.device)]
@@ -369,8 +370,8 @@ class FlowGRPOModule(L.LightningModule):
                                 traj.log_probs[idx[:live], j],
                                 stats.advantages,
                                 ratio=stats.ratio,
-                                step=traj.step_indices[j].expand(live),
-                                sample_id=batch.sample_ids.to(self.device)[idx[:live]],
+                                step=torch.full((live,), int(traj.step_indices[j]), device=self.device),
+                                sample_id=sample_ids[idx[:live]],
                                 std_dev_t=traj.std_dev_t[idx[:live], j],
                                 sqrt_dt=traj.sqrt_dt[idx[:live], j],
                             )

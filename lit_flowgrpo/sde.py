@@ -243,7 +243,7 @@ def sde_step_with_logprob(
         mean = x + dt * v
         x_next = mean if prev_sample is None else prev_sample.float()
         zeros = torch.zeros(batch, device=device, dtype=torch.float32)
-        root = torch.ones_like(zeros) if sde_type == "cps" else _per_sample(sqrt_dt, batch)
+        root = torch.ones_like(zeros) if sde_type == "cps" else _per_sample(sqrt_dt, batch, device)
         return SDEStep(x_next, zeros, mean, zeros.clone(), root)
 
     if sde_type == "sde":
@@ -286,7 +286,7 @@ def sde_step_with_logprob(
         root = sqrt_dt
 
     log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))  # (B,) fp32
-    return SDEStep(x_next, log_prob, mean, _per_sample(std, batch), _per_sample(root, batch))
+    return SDEStep(x_next, log_prob, mean, _per_sample(std, batch, device), _per_sample(root, batch, device))
 
 
 def _as_sigma(value: float | Tensor, name: str, batch: int, device: torch.device) -> Tensor:
@@ -296,10 +296,15 @@ def _as_sigma(value: float | Tensor, name: str, batch: int, device: torch.device
                 f"{name} has shape {tuple(value.shape)}: give a float, a 0-d tensor or one value per "
                 f"sample, shape ({batch},)"
             )
+        if value.ndim == 0 and value.device.type == "cpu":
+            return value.to(torch.float32)
         return value.to(device=device, dtype=torch.float32)
     if not isinstance(value, (int, float)):
         raise ValueError(f"{name} ({value!r}) must be a float or a tensor")
-    return torch.tensor(value, dtype=torch.float32, device=device)
+    # A 0-d CPU tensor: the step's scalar math stays on the host and enters the device kernels as a
+    # scalar argument. A 0-d tensor created on the device would cost a host-to-device copy and a
+    # stream synchronisation at every step.
+    return torch.tensor(value, dtype=torch.float32)
 
 
 def _check_sigmas(sig: Tensor, sig_next: Tensor) -> None:
@@ -329,7 +334,12 @@ def _draw(
     return mean + scale * noise
 
 
-def _per_sample(value: Tensor, batch: int) -> Tensor:
-    """(B,) fp32 from a scalar or (B, 1, ..., 1) tensor."""
+def _per_sample(value: Tensor, batch: int, device: torch.device) -> Tensor:
+    """(B,) fp32 on ``device`` from a scalar or (B, 1, ..., 1) tensor."""
     flat = value.reshape(-1) if value.ndim else value.reshape(1)
-    return flat.expand(batch).to(torch.float32).clone() if flat.numel() == 1 else flat.clone()
+    if flat.numel() == 1 and flat.device.type == "cpu":
+        # A fill kernel on the device: no copy for the host to wait on.
+        return torch.full((batch,), float(flat), dtype=torch.float32, device=device)
+    if flat.numel() == 1:
+        return flat.expand(batch).to(torch.float32).clone()
+    return flat.to(device=device, dtype=torch.float32).clone()

@@ -197,7 +197,7 @@ def test_validation_pairs_each_prompt_with_each_seed_once_over_the_ranks(prompts
         dm.trainer = SimpleNamespace(world_size=3, global_rank=rank, training=False)
         loader = dm.val_dataloader()
         batches = list(loader)
-        assert len(batches) == len(loader.dataset) and all(len(b) <= 4 for b in batches)
+        assert all(len(b) <= 4 for b in batches)
         return [
             (s, p, seed)
             for b in batches

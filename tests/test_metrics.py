@@ -415,8 +415,13 @@ def test_policy_ratio_stats_rejects_bad_input() -> None:
         PolicyRatioStats(clip_range=0.1, clip_level="trajectory").update(x, x, x)
     with pytest.raises(ValueError, match="sqrt_dt was given without std_dev_t"):
         PolicyRatioStats(clip_range=0.1).update(x, x, x, sqrt_dt=torch.ones(4))
-    with pytest.raises(ValueError, match="must be > 0"):
-        PolicyRatioStats(clip_range=0.1).update(x, x, x, std_dev_t=torch.zeros(4))
+
+    # A deterministic (ODE) step has std 0 and no log-prob: excluded and counted, not averaged in
+    # (and never read back to the host to raise).
+    metric = PolicyRatioStats(clip_range=0.1)
+    metric.update(x, x, x, std_dev_t=torch.tensor([0.0, 1.0, 1.0, 0.0]))
+    out = metric.compute()
+    assert float(out["count"]) == 2 and float(out["nonfinite_count"]) == 2
 
 
 def test_forward_returns_the_batch_and_accumulates_like_update() -> None:
