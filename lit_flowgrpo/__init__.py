@@ -16,6 +16,7 @@ _EXPORTS = {
     "DiagnosticsSettings": "lit_flowgrpo.module",
     "FlowGRPO": "lit_flowgrpo.objective",
     "FlowGRPOModule": "lit_flowgrpo.module",
+    "FSDP2Strategy": "lit_flowgrpo.strategies",
     "GRPOGuard": "lit_flowgrpo.objective",
     "GroupSampler": "lit_flowgrpo.data",
     "LoraSettings": "lit_flowgrpo.lora",
@@ -29,6 +30,7 @@ _EXPORTS = {
 __all__ = [
     "AdvantageSettings",
     "DiagnosticsSettings",
+    "FSDP2Strategy",
     "FlowGRPO",
     "FlowGRPOModule",
     "GRPOGuard",
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
     from lit_flowgrpo.module import AdvantageSettings, DiagnosticsSettings, FlowGRPOModule, UpdateSettings
     from lit_flowgrpo.objective import FlowGRPO, GRPOGuard, Objective
     from lit_flowgrpo.rollout import Sampler
+    from lit_flowgrpo.strategies import FSDP2Strategy
 
 
 def __getattr__(name: str) -> Any:

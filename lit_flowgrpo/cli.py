@@ -19,6 +19,8 @@ from collections.abc import Sequence
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
 
+import lit_flowgrpo.strategies  # noqa: F401  (registers --trainer.strategy=fsdp2)
+
 
 class FlowGRPOCLI(LightningCLI):
     """LightningCLI with subclass mode for model and data and the config saved beside each run."""
