@@ -9,9 +9,10 @@ runs under a real ``lightning.Trainer`` with ``RLThroughputMonitor``, whose logg
 
 One run per launch; ``report`` turns the runs' folders into the results JSON::
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/scaling.py run --strategy fsdp2 --out R/fsdp2_lora
+    torchrun --standalone --nproc_per_node=2 benchmarks/scaling.py run --strategy fsdp2 --out R/fsdp2_lora \\
+        --save_at 2 --save_trained --export
     torchrun --standalone --nproc_per_node=2 benchmarks/scaling.py run --strategy fsdp2 --out R/fsdp2_lora_resumed \\
-        --resume R/fsdp2_lora/ckpt/step=2.ckpt
+        --resume R/fsdp2_lora/ckpt/step=2.ckpt --compare_to R/fsdp2_lora
     python benchmarks/scaling.py run --strategy single --rollouts 1 --out R/single_lora
     python benchmarks/scaling.py report R --out benchmarks/results/scaling_2xH100.json
 
@@ -299,30 +300,35 @@ def run(args: argparse.Namespace) -> None:
     trainer.fit(module, datamodule=data, ckpt_path=args.resume)
     fit_s = time.perf_counter() - start
     trained = _gather_trainable(module)
-    exported = None
-    if args.export:
-        exported = str(out / "export")
-        module.export(exported)
     rank = trainer.global_rank
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    info = {
-        "rank": rank,
-        "world_size": trainer.world_size,
-        "strategy": args.strategy,
-        "lora": lora,
-        "kl_coef": kl_coef,
-        "step_seconds": clock.seconds,
-        "per_gpu": args.per_gpu,
-        "peak_memory_gb_whole_run": peak,
-        "fit_seconds": fit_s,
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "exported": exported,
-        "torch": torch.__version__,
-        "lightning": L.__version__,
-    }
-    (out / f"info_rank{rank}.json").write_text(json.dumps(info))
-    if rank == 0:
+    info: dict[str, Any] = {}
+    if args.export:
+        module.export(str(out / "export"))
+        if rank == 0:
+            info["exported_ok"] = _exported_ok(out / "export", trained, lora)
+    if rank == 0 and args.compare_to:
+        info["resume_weights_max_abs_diff"] = _max_diff(
+            torch.load(Path(args.compare_to) / "trained.pt"), trained
+        )
+    if rank == 0 and args.save_trained:
         torch.save(trained, out / "trained.pt")
+    info.update(
+        rank=rank,
+        world_size=trainer.world_size,
+        strategy=args.strategy,
+        lora=lora,
+        kl_coef=kl_coef,
+        micro_batch=args.micro_batch,
+        activation_checkpointing=args.activation_checkpointing,
+        step_seconds=clock.seconds,
+        per_gpu=args.per_gpu,
+        peak_memory_gb_whole_run=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        fit_seconds=fit_s,
+        device=torch.cuda.get_device_name() if cuda else "cpu",
+        torch=torch.__version__,
+        lightning=L.__version__,
+    )
+    (out / f"info_rank{rank}.json").write_text(json.dumps(info))
 
 
 def _gather_trainable(module: nn.Module) -> dict[str, Tensor]:
@@ -402,6 +408,8 @@ def summarise(root: Path, name: str, reference: str | None) -> dict[str, Any] | 
         "lora": info["lora"],
         "kl_coef": info["kl_coef"],
         "images_per_gpu": info["per_gpu"],
+        "micro_batch": info["micro_batch"],
+        "activation_checkpointing": info["activation_checkpointing"],
         "rollouts": len(steps),
         "images_per_gpu_s": statistics.median(throughput) if throughput else None,
         "step_seconds_rank0": info["step_seconds"],
@@ -412,12 +420,12 @@ def summarise(root: Path, name: str, reference: str | None) -> dict[str, Any] | 
         "lightning": info["lightning"],
     }
     resumed = root / f"{name}_resumed"
-    if (resumed / "trained.pt").exists() and (folder / "trained.pt").exists():
-        a, b = torch.load(folder / "trained.pt"), torch.load(resumed / "trained.pt")
+    resumed_infos = _infos(resumed)
+    if resumed_infos:
         ra, rb = _rows(folder), _rows(resumed)
         last = max(rb) if rb else None
         out["resume_started_at_rollout"] = min(rb) if rb else None
-        out["resume_weights_max_abs_diff"] = _max_diff(a, b)
+        out["resume_weights_max_abs_diff"] = resumed_infos[0].get("resume_weights_max_abs_diff")
         out["resume_last_rollout_rewards_max_abs_diff"] = (
             max(abs(ra[last][s][0] - rb[last][s][0]) for s in rb[last]) if last in ra else math.inf
         )
@@ -431,7 +439,7 @@ def summarise(root: Path, name: str, reference: str | None) -> dict[str, Any] | 
         )
     else:
         out["resumed_ok"] = None
-    out["exported_ok"] = _exported_ok(folder, info) if info.get("exported") else None
+    out["exported_ok"] = info.get("exported_ok")
     same_kind = reference is not None and any(i["lora"] == info["lora"] for i in _infos(root / reference))
     if same_kind:
         diff = first_rollout_diff(root / reference, folder)
@@ -442,17 +450,15 @@ def summarise(root: Path, name: str, reference: str | None) -> dict[str, Any] | 
     return out
 
 
-def _exported_ok(folder: Path, info: dict[str, Any]) -> bool:
-    """The export loads with diffusers' own loaders and holds the trained weights."""
-    trained = torch.load(folder / "trained.pt")
-    path = folder / "export"
+def _exported_ok(path: Path, trained: dict[str, Tensor], lora: bool) -> bool:
+    """The export loads with diffusers' own loaders and holds the trained weights, exactly."""
     prefix = "policy._transformer."
-    if info["lora"]:
+    if lora:
         from diffusers import StableDiffusion3Pipeline
 
         state = StableDiffusion3Pipeline.lora_state_dict(str(path))
         state = state[0] if isinstance(state, tuple) else state
-        # diffusers names: transformer.<module>.lora_A.weight; ours: <prefix><module>.lora_A.default.weight
+        # diffusers: transformer.<module>.lora_A.weight; ours: policy._transformer.<module>.lora_A.default.weight
         ours = {
             prefix + k.removeprefix("transformer.")[: -len("weight")] + "default.weight": v
             for k, v in state.items()
@@ -514,7 +520,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--rollouts", type=int, default=3)
     p.add_argument("--save_at", type=int, default=0, help="checkpoint every this many rollouts")
     p.add_argument("--resume", default=None)
-    p.add_argument("--export", action="store_true")
+    p.add_argument(
+        "--export", action="store_true", help="export, then check the export loads and holds the weights"
+    )
+    p.add_argument("--save_trained", action="store_true", help="keep the trained weights for a resumed run")
+    p.add_argument(
+        "--compare_to", default=None, help="a run with --save_trained whose weights to compare with"
+    )
     p.add_argument("--activation_checkpointing", action="store_true")
     p.add_argument("--out", required=True)
     r = sub.add_parser("report", help="the results JSON from the runs' folders")
