@@ -540,6 +540,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.per_gpu * args.global_ranks % 8:
             sys.exit("--per_gpu × --global_ranks must be a multiple of the group size 8")
         run(args)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()  # Lightning leaves it open
     else:
         report(args)
 

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
+from lit_flowgrpo.callbacks import RLThroughputMonitor, TrainableEMA
 from lit_flowgrpo.policies import SD3Policy
 from lit_flowgrpo.strategies import FSDP2Strategy, transformer_blocks  # also registers "fsdp2"
 
@@ -99,7 +100,10 @@ def run(config: dict[str, Any]) -> None:
     out = Path(config["out"])
     out.mkdir(parents=True, exist_ok=True)
     module, data = build(config)
-    callbacks = []
+    throughput = RLThroughputMonitor()
+    callbacks: list[L.Callback] = [throughput]
+    if config.get("ema"):
+        callbacks.append(TrainableEMA(decay=0.9, update_every=1))
     if config.get("save_every"):
         callbacks.append(
             ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=config["save_every"], save_top_k=-1)
@@ -114,7 +118,7 @@ def run(config: dict[str, Any]) -> None:
         max_steps=config.get("max_steps", 2),
         logger=MemoryLogger(out / "metrics.json"),
         callbacks=callbacks,
-        enable_checkpointing=bool(callbacks),
+        enable_checkpointing=bool(config.get("save_every")),
         log_every_n_steps=1,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -130,15 +134,19 @@ def run(config: dict[str, Any]) -> None:
         module.export(str(out / "export"))
     if trainer.global_rank == 0:
         torch.save({k: v.detach().cpu() for k, v in state.items()}, out / "trained.pt")
-    if trainer.global_rank == 0 and isinstance(trainer.strategy, FSDP2Strategy):
+    if trainer.global_rank == 0:
         transformer = module.policy.transformer
         info = {
             "sharded_blocks": sum(isinstance(b, FSDPModule) for b in transformer_blocks(transformer)),
             "dtensor_params": all(isinstance(p, DTensor) for p in transformer.parameters()),
             "gradient_checkpointing": bool(transformer.gradient_checkpointing),
+            "flops": [throughput.flops_per_forward, throughput.flops_per_train_forward],
         }
         (out / "info.json").write_text(json.dumps(info))
 
 
 if __name__ == "__main__":
     run(json.loads(Path(sys.argv[1]).read_text()))
+    if torch.distributed.is_initialized():
+        # Lightning leaves the process group open; gloo's threads can abort the exit otherwise.
+        torch.distributed.destroy_process_group()

@@ -79,3 +79,4 @@ if __name__ == "__main__":
         enable_model_summary=False,
     )
     trainer.fit(Probe(out))
+    torch.distributed.destroy_process_group()  # Lightning leaves it open

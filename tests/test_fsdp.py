@@ -116,7 +116,10 @@ def test_fsdp2_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tm
         assert float((w1[key] - w2[key]).abs().max()) <= tol_w, key
 
     info = json.loads((tmp_path / "fsdp" / "info.json").read_text())
+    flops = info.pop("flops")
     assert info == {"sharded_blocks": 2, "dtensor_params": True, "gradient_checkpointing": True}
+    # RLThroughputMonitor counted the sharded transformer's FLOPs: the unsharded model's count.
+    assert flops == json.loads((tmp_path / "single" / "info.json").read_text())["flops"] and flops[0] > 0
     from diffusers import StableDiffusion3Pipeline
 
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_path)
