@@ -478,16 +478,19 @@ def report(args: argparse.Namespace) -> None:
     ]
     by = {r["name"]: r for r in runs}
     comparison: dict[str, Any] = {}
-    for kind in ("lora", "full"):
-        ddp, fsdp = by.get(f"ddp_{kind}"), by.get(f"fsdp2_{kind}")
-        if ddp and fsdp and ddp["images_per_gpu_s"] and fsdp["images_per_gpu_s"]:
-            comparison[kind] = {
-                "fsdp2_over_ddp_throughput": fsdp["images_per_gpu_s"] / ddp["images_per_gpu_s"]
-            }
-            if fsdp["peak_memory_gb"] and ddp["peak_memory_gb"]:
-                comparison[kind]["fsdp2_over_ddp_peak_memory"] = (
-                    fsdp["peak_memory_gb"] / ddp["peak_memory_gb"]
-                )
+    for fsdp in runs:
+        ddp = by.get("ddp_" + ("lora" if fsdp["lora"] else "full"))
+        if (
+            not fsdp["name"].startswith("fsdp2")
+            or not ddp
+            or not (fsdp["images_per_gpu_s"] and ddp["images_per_gpu_s"])
+        ):
+            continue
+        comparison[f"{fsdp['name']} / {ddp['name']}"] = entry = {
+            "throughput": fsdp["images_per_gpu_s"] / ddp["images_per_gpu_s"]
+        }
+        if fsdp["peak_memory_gb"] and ddp["peak_memory_gb"]:
+            entry["peak_memory"] = fsdp["peak_memory_gb"] / ddp["peak_memory_gb"]
     result = {"runs": runs, "comparison": comparison}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
