@@ -16,6 +16,7 @@ _EXPORTS = {
     "DiagnosticsSettings": "lit_flowgrpo.metrics",
     "FlowGRPO": "lit_flowgrpo.objective",
     "FlowGRPOModule": "lit_flowgrpo.module",
+    "FSDP2Strategy": "lit_flowgrpo.strategies",
     "GRPOGuard": "lit_flowgrpo.objective",
     "GroupSampler": "lit_flowgrpo.data",
     "LoraSettings": "lit_flowgrpo.lora",
@@ -30,6 +31,7 @@ _EXPORTS = {
 __all__ = [
     "AdvantageSettings",
     "DiagnosticsSettings",
+    "FSDP2Strategy",
     "FlowGRPO",
     "FlowGRPOModule",
     "GRPOGuard",
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
     from lit_flowgrpo.objective import FlowGRPO, GRPOGuard, Objective
     from lit_flowgrpo.performance import PerformanceSettings
     from lit_flowgrpo.rollout import Sampler
+    from lit_flowgrpo.strategies import FSDP2Strategy
 
 
 def __getattr__(name: str) -> Any:

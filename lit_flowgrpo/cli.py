@@ -44,6 +44,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+import lit_flowgrpo.strategies  # noqa: F401  (registers --trainer.strategy=fsdp2)
+
 # The FlowGRPOModule flags that do what Lightning's automatic-optimization flags would do: the module
 # optimizes manually (one rollout feeds several optimizer steps), so the Trainer's versions cannot apply.
 MAX_GRAD_NORM_FLAG = "--model.init_args.update.max_grad_norm"

@@ -137,6 +137,12 @@ class TrainableWeights:
             lora_dropout=lora.dropout,
         )
 
+    @property
+    def reference_network(self) -> nn.Module | None:
+        """A full fine-tune's frozen copy of the initial transformer (``None`` with LoRA or without
+        ``reference_copy``); a sharded run shards it like the transformer."""
+        return self._frozen
+
     @contextmanager
     def reference(self, policy: FlowPolicy) -> Iterator[None]:
         """Inside, the policy computes with the KL reference's weights."""
@@ -147,47 +153,77 @@ class TrainableWeights:
             return
         if self._frozen is None:
             raise RuntimeError("the KL reference of a full fine-tune needs --model.reference_copy=true")
-        # Exchange storage pointers (no copy, so no 2x memory traffic): the frozen copy's tensors
-        # become the live weights for the duration, then everything is put back. Callers run the
-        # reference before the θ forward, so the swap never touches tensors an autograd graph saved.
-        trained = dict(transformer.named_parameters())
-        frozen = dict(self._frozen.named_parameters())
-        device = next(iter(trained.values())).device
-        if next(iter(frozen.values())).device != device:
+        # The frozen copy takes the transformer's place in the policy for the duration: no weight is
+        # copied, and it works the same whether the two networks are plain or sharded (FSDP2 gathers
+        # a sharded network's weights from its own storage, so swapping parameter data would not do).
+        name = next((n for n, m in policy.named_children() if m is transformer), None)
+        if name is None:
+            raise RuntimeError(
+                f"{type(policy).__name__}.transformer is not a direct submodule of the policy: the frozen "
+                "reference cannot stand in for it"
+            )
+        device = next(transformer.parameters()).device
+        if next(self._frozen.parameters()).device != device:
             self._frozen.to(device)
-
-        def swap() -> None:
-            for name, param in trained.items():
-                param.data, frozen[name].data = frozen[name].data, param.data
-
-        swap()
+        policy._modules[name] = self._frozen
         try:
             yield
         finally:
-            swap()
+            policy._modules[name] = transformer
 
     def export(self, policy: FlowPolicy, path: str) -> str:
         """Write what was trained so the family's diffusers pipeline loads it; returns what was written.
 
         LoRA: an adapter for ``pipeline.load_lora_weights(path)``. Full fine-tune: the transformer as a
-        diffusers model folder (``save_pretrained``), for ``from_pretrained(path)``.
+        diffusers model folder (``save_pretrained``), for ``from_pretrained(path)``. A sharded
+        transformer is gathered on rank 0, which writes; every rank must call this.
         """
         transformer = policy.transformer
+        if self.lora is None and not hasattr(transformer, "save_pretrained"):
+            raise ValueError(
+                f"{type(transformer).__name__} is not a diffusers model: it has no save_pretrained"
+            )
+        sharded = _is_sharded(transformer)
+        state = _full_state(transformer, trainable_only=self.lora is not None) if sharded else None
+        if sharded and torch.distributed.get_rank() != 0:
+            return f"(rank {torch.distributed.get_rank()} wrote nothing: rank 0 writes {path})"
         if self.lora is None:
-            if not hasattr(transformer, "save_pretrained"):
-                raise ValueError(
-                    f"{type(transformer).__name__} is not a diffusers model: it has no save_pretrained"
-                )
+            if state is not None:
+                transformer = _unsharded_copy(transformer, state)
             transformer.save_pretrained(path)
             return f"the fine-tuned transformer ({type(transformer).__name__}) to {path}"
         from peft.utils import get_peft_model_state_dict
 
-        state = get_peft_model_state_dict(transformer)
+        lora_state = get_peft_model_state_dict(transformer, state_dict=state)
         metadata = {
             k: (sorted(v) if isinstance(v, set) else v) for k, v in self.peft_config.to_dict().items()
         }
-        policy.save_lora(path, state, metadata)
+        policy.save_lora(path, lora_state, metadata)
         return f"the LoRA adapter to {path}"
+
+
+def _is_sharded(module: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _full_state(module: nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
+    """The whole (unsharded) state of a sharded ``module`` on rank 0's CPU, empty on other ranks; a
+    collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    return get_model_state_dict(module, options=options)
+
+
+def _unsharded_copy(module: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """A plain module of ``module``'s class and config holding ``state``, built without allocating or
+    initialising weights (``state`` already holds them)."""
+    with torch.device("meta"):
+        copy_ = type(module).from_config(module.config)
+    copy_.load_state_dict(state, strict=True, assign=True)
+    return copy_
 
 
 @contextmanager

@@ -218,11 +218,47 @@ class FlowGRPOModule(L.LightningModule):
                 problems += [f"{flag}: {line}" for line in found[:10]]
                 if len(found) > 10:
                     problems.append(f"{flag}: ... and {len(found) - 10} more")
+        problems += self._strategy_problems(dm)
         if problems:
             raise ValueError("invalid settings:\n  " + "\n  ".join(problems))
         check = getattr(self.reward, "check", None)
         if callable(check):
             check()  # remote endpoints answer before the first rollout
+
+    def _strategy_problems(self, dm: Any) -> list[str]:
+        """The strategies the update cannot run under, and what sharding asks of the data."""
+        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+        from lit_flowgrpo.strategies import FSDP2Strategy
+
+        strategy = self.trainer.strategy
+        if isinstance(strategy, FSDPStrategy):
+            return [
+                "--trainer.strategy=fsdp (Lightning's FSDPStrategy, FSDP1) runs training_step inside the root "
+                "module's forward, where the update's backward passes (one per micro-batch and trained step) "
+                "are illegal: use --trainer.strategy=fsdp2 (FSDP2, sharded per transformer block)"
+            ]
+        if isinstance(strategy, DeepSpeedStrategy):
+            return [
+                f"--trainer.strategy={getattr(strategy, 'strategy_name', 'deepspeed')} is not supported: "
+                "DeepSpeed's engine expects one backward per forward of the whole module, the update runs "
+                "many per training step; use --trainer.strategy=fsdp2 to shard (or ddp)"
+            ]
+        if isinstance(strategy, ModelParallelStrategy) and not isinstance(strategy, FSDP2Strategy):
+            return [
+                f"--trainer.strategy ({type(strategy).__name__}): FlowGRPOModule applies no tensor parallelism; "
+                "use --trainer.strategy=fsdp2 (data-parallel sharding over all ranks)"
+            ]
+        world = self.trainer.world_size
+        val = len(getattr(dm, "val_records", [])) * getattr(dm, "val_seeds", 1)
+        if isinstance(strategy, FSDP2Strategy) and val % world:
+            # Each sharded forward gathers weights from every rank: all ranks must run the same number.
+            return [
+                f"--data.val prompts × --data.val_seeds ({val}) must be a multiple of the number of ranks "
+                f"({world}) under --trainer.strategy=fsdp2, whose forwards are collective: set "
+                "--data.max_val_prompts or --data.val_seeds so"
+            ]
+        return []
 
     def configure_model(self) -> None:
         if self._configured:
@@ -234,6 +270,14 @@ class FlowGRPOModule(L.LightningModule):
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.parameters())
         rank_zero_info(f"trainable parameters: {trainable:,} of {total:,}")
+        from lit_flowgrpo.strategies import FSDP2Strategy
+
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if isinstance(strategy, FSDP2Strategy):
+            # After the adapter is attached, so that its weights shard with their blocks.
+            strategy.shard(self.policy.transformer)
+            if self.weights.reference_network is not None:
+                strategy.shard(self.weights.reference_network)
 
     # ----------------------------------------------------------------------------------------------
     # Training
@@ -621,8 +665,13 @@ class FlowGRPOModule(L.LightningModule):
 
     def load_trainable_checkpoint(self, path: str, use_ema: bool = True) -> None:
         """Load a checkpoint's trainable weights (its EMA weights if present and ``use_ema``)."""
+        import os
+
         self.configure_model()
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        if os.path.isdir(path):
+            ckpt = self._read_sharded_checkpoint(path)
+        else:
+            ckpt = torch.load(path, map_location="cpu", weights_only=False)
         state = dict(ckpt["state_dict"])
         if use_ema:
             for key, value in ckpt.get("callbacks", {}).items():
@@ -634,6 +683,26 @@ class FlowGRPOModule(L.LightningModule):
                 f"{path} lacks trainable tensors {sorted(missing)[:3]}…: use the run's own config"
             )
         self.load_state_dict(state, strict=False)
+
+    def _read_sharded_checkpoint(self, path: str) -> dict[str, Any]:
+        """A ``--trainer.strategy=fsdp2`` checkpoint folder read whole into this process: its metadata,
+        with ``state_dict`` holding the trainable tensors it has (unsharded)."""
+        import os
+
+        import torch.distributed.checkpoint as dcp
+        from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+        reader = dcp.FileSystemReader(path)
+        saved = set(reader.read_metadata().state_dict_metadata)
+        state = {
+            name: torch.empty_like(p, device="cpu")
+            for name, p in self.named_parameters()
+            if p.requires_grad and f"state_dict.{name}" in saved
+        }
+        dcp.load({"state_dict": state}, storage_reader=reader, no_dist=True)
+        ckpt = torch.load(os.path.join(path, _METADATA_FILENAME), map_location="cpu", weights_only=False)
+        ckpt["state_dict"] = state
+        return ckpt
 
     def export(self, path: str) -> str:
         """Write what was trained for the family's diffusers pipeline: the LoRA adapter

@@ -1,0 +1,553 @@
+"""DDP against FSDP2 on several GPUs: throughput, peak memory, save / resume / export, and the first
+rollout's equality with one GPU.
+
+The policy is SD3.5-Medium-sized: the public transformer and VAE configs with random weights (seeded,
+so every rank and every run builds the same ones), no text encoders (prompts map to fixed random
+embeddings of the real shapes, 333 × 4096 and a 2048 pooled vector); the reward is the images'
+brightness, computed on the GPU, so a step times the RL machinery alone. The real ``FlowGRPOModule``
+runs under a real ``lightning.Trainer`` with ``RLThroughputMonitor``, whose logged keys give the figures.
+
+One run per launch; ``report`` turns the runs' folders into the results JSON::
+
+    torchrun --standalone --nproc_per_node=2 benchmarks/scaling.py run --strategy fsdp2 --out R/fsdp2_lora \\
+        --save_at 2 --save_trained --export
+    torchrun --standalone --nproc_per_node=2 benchmarks/scaling.py run --strategy fsdp2 --out R/fsdp2_lora_resumed \\
+        --resume R/fsdp2_lora/ckpt/step=2.ckpt --compare_to R/fsdp2_lora
+    python benchmarks/scaling.py run --strategy single --rollouts 1 --out R/single_lora
+    python benchmarks/scaling.py report R --out benchmarks/results/scaling_2xH100.json
+
+``--size tiny`` builds a tiny model of the same classes, for a CPU check of the script (gloo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
+from torch import Tensor, nn
+
+from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
+from lit_flowgrpo.callbacks import RLThroughputMonitor
+from lit_flowgrpo.policies.base import Embeds
+from lit_flowgrpo.policies.sd3 import SD3Policy
+from lit_flowgrpo.strategies import FSDP2Strategy
+
+# stabilityai/stable-diffusion-3.5-medium: transformer/config.json, vae/config.json, scheduler, and the
+# conditioning shapes (77 CLIP + 256 T5 tokens of width 4096; pooled CLIP-L + CLIP-G, 2048).
+SIZES: dict[str, dict[str, Any]] = {
+    "sd35m": dict(
+        transformer=dict(
+            sample_size=128,
+            patch_size=2,
+            in_channels=16,
+            num_layers=24,
+            attention_head_dim=64,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            caption_projection_dim=1536,
+            pooled_projection_dim=2048,
+            out_channels=16,
+            pos_embed_max_size=384,
+            dual_attention_layers=tuple(range(13)),
+            qk_norm="rms_norm",
+        ),
+        vae=dict(
+            block_out_channels=(128, 256, 512, 512),
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            layers_per_block=2,
+            latent_channels=16,
+            norm_num_groups=32,
+            sample_size=1024,
+            scaling_factor=1.5305,
+            shift_factor=0.0609,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        ),
+        text=dict(tokens=333, dim=4096, pooled=2048),
+        resolution=512,
+    ),
+    "tiny": dict(
+        transformer=dict(
+            sample_size=16,
+            patch_size=2,
+            in_channels=16,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            caption_projection_dim=16,
+            pooled_projection_dim=24,
+            out_channels=16,
+            pos_embed_max_size=32,
+            dual_attention_layers=(0,),
+            qk_norm="rms_norm",
+        ),
+        vae=dict(
+            block_out_channels=(8, 8),
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            latent_channels=16,
+            norm_num_groups=4,
+            sample_size=32,
+            scaling_factor=1.5305,
+            shift_factor=0.0609,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        ),
+        text=dict(tokens=12, dim=32, pooled=24),
+        resolution=32,
+    ),
+}
+
+
+class RandomSD3Policy(SD3Policy):
+    """:class:`SD3Policy` on seeded random weights built from a config; prompts map to fixed random
+    embeddings of the real shapes."""
+
+    def __init__(self, size: str = "sd35m") -> None:
+        cuda = torch.cuda.is_available()
+        super().__init__("random/sd3", dtype="bfloat16" if cuda else "float32")
+        self.size = size
+
+    def problems(self) -> list[str]:
+        return []  # nothing to read
+
+    def load(self) -> None:
+        if self.pipe is not None:
+            return
+        from diffusers import (
+            AutoencoderKL,
+            FlowMatchEulerDiscreteScheduler,
+            SD3Transformer2DModel,
+            StableDiffusion3Pipeline,
+        )
+
+        spec = SIZES[self.size]
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        dtype = torch.bfloat16 if device is not None else torch.float32
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # built in bf16 straight on the GPU: never an fp32 copy
+        try:
+            with torch.device(device or "cpu"), torch.random.fork_rng(devices=[device] if device else []):
+                torch.manual_seed(0)
+                transformer = SD3Transformer2DModel(**spec["transformer"]).requires_grad_(False).eval()
+                vae = AutoencoderKL(**spec["vae"]).requires_grad_(False).eval()
+        finally:
+            torch.set_default_dtype(previous)
+        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+        none = dict.fromkeys(
+            ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3")
+        )
+        self.pipe = StableDiffusion3Pipeline(transformer=transformer, vae=vae, scheduler=scheduler, **none)
+        self.pipe.set_progress_bar_config(disable=True)
+        self._transformer, self.vae, self.text_encoders = transformer, vae, nn.ModuleList()
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str]) -> Embeds:
+        text = SIZES[self.size]["text"]
+        dtype = next(self.vae.parameters()).dtype
+
+        def rows(key: str, shape: tuple[int, ...]) -> Tensor:
+            gen = torch.Generator(self.device).manual_seed(zlib.crc32(key.encode()))
+            return torch.randn(shape, generator=gen, device=self.device).to(dtype)
+
+        return {
+            "prompt_embeds": torch.stack([rows(p, (text["tokens"], text["dim"])) for p in prompts]),
+            "pooled_prompt_embeds": torch.stack([rows("pooled:" + p, (text["pooled"],)) for p in prompts]),
+        }
+
+
+def brightness(images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+    return images.float().mean(dim=(1, 2, 3))
+
+
+class Recorder(FlowGRPOModule):
+    """Writes each rank's (sample id, reward, advantage) rows of every rollout to ``out``."""
+
+    def __init__(self, out: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.out = out
+
+    def _advantages(self, rewards, batch):
+        advantages, keep = super()._advantages(rewards, batch)
+        rows = [
+            [int(s), float(r), float(a)]
+            for s, r, a in zip(
+                batch.sample_ids.tolist(), rewards.total.tolist(), advantages.tolist(), strict=True
+            )
+        ]
+        (Path(self.out) / f"rows_rank{self.global_rank}_step{batch.step}.json").write_text(json.dumps(rows))
+        return advantages, keep
+
+
+class MemoryLogger(Logger):
+    """Rank 0's logged rows, written to ``metrics.json`` at the end."""
+
+    name = "memory"
+    version = 0
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+        self.rows: dict[int, dict[str, float]] = {}
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.setdefault(int(step or 0), {}).update({k: float(v) for k, v in metrics.items()})
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        self.path.write_text(json.dumps(self.rows))
+
+
+class StepClock(Callback):
+    """Wall time of each training step on this rank (after a device synchronisation)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+
+    def _now(self, trainer: L.Trainer) -> float:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(trainer.strategy.root_device)
+        return time.perf_counter()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._t = self._now(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.seconds.append(self._now(trainer) - self._t)
+
+
+def run(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = SIZES[args.size]
+    cuda = torch.cuda.is_available()
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    lora = not args.full
+    kl_coef = args.kl_coef if args.kl_coef is not None else (0.0 if lora else 0.04)
+    module = Recorder(
+        out=str(out),
+        policy=RandomSD3Policy(args.size),
+        reward=brightness,
+        objective=FlowGRPO(clip_range=1e-4, kl_coef=kl_coef),
+        sampler=Sampler(
+            num_steps=10,
+            guidance_scale=4.5,
+            height=spec["resolution"],
+            width=spec["resolution"],
+            batch_size=args.per_gpu,  # one rollout chunk per rank's share: 1 GPU runs the same forwards
+        ),
+        # One optimizer step per rollout: every ratio of the first rollout is then computed with the
+        # initial weights, per sample, whatever the number of ranks (the equality check needs it).
+        update=UpdateSettings(micro_batch_size=args.micro_batch, optimizer_steps_per_rollout=1),
+        lora=LoraSettings(rank=32, alpha=64) if lora else None,
+        reference_copy=not lora and kl_coef > 0,
+        # Large enough that two updates show in bf16 weights and in the next rollout's rewards.
+        optimizer=functools.partial(torch.optim.AdamW, lr=3e-4 if lora else 1e-4, weight_decay=1e-4),
+    )
+    prompts = out / "prompts.txt"
+    prompts.write_text("\n".join(f"prompt {i}" for i in range(64)) + "\n")
+    global_batch = args.per_gpu * args.global_ranks
+    data = PromptDataModule(train=str(prompts), prompts_per_step=global_batch // 8, group_size=8, seed=1)
+    strategy: Any = {"single": "auto", "ddp": "ddp"}.get(args.strategy)
+    if args.strategy == "fsdp2":
+        strategy = FSDP2Strategy(activation_checkpointing=args.activation_checkpointing)
+    clock = StepClock()
+    callbacks: list[Callback] = [RLThroughputMonitor(), clock]
+    if args.save_at:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=out / "ckpt", filename="{step}", every_n_train_steps=args.save_at, save_top_k=-1
+            )
+        )
+    trainer = L.Trainer(
+        accelerator="gpu" if cuda else "cpu",
+        devices=devices,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=args.rollouts,  # one optimizer step per rollout; a resumed run counts from its checkpoint
+        logger=MemoryLogger(out / "metrics.json"),
+        callbacks=callbacks,
+        enable_checkpointing=bool(args.save_at),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    start = time.perf_counter()
+    trainer.fit(module, datamodule=data, ckpt_path=args.resume)
+    fit_s = time.perf_counter() - start
+    trained = _gather_trainable(module)
+    rank = trainer.global_rank
+    info: dict[str, Any] = {}
+    if args.export:
+        module.export(str(out / "export"))
+        if rank == 0:
+            info["exported_ok"] = _exported_ok(out / "export", trained, lora)
+    if rank == 0 and args.compare_to:
+        info["resume_weights_max_abs_diff"] = _max_diff(
+            torch.load(Path(args.compare_to) / "trained.pt"), trained
+        )
+    if rank == 0 and args.save_trained:
+        torch.save(trained, out / "trained.pt")
+    info.update(
+        rank=rank,
+        world_size=trainer.world_size,
+        strategy=args.strategy,
+        lora=lora,
+        kl_coef=kl_coef,
+        micro_batch=args.micro_batch,
+        activation_checkpointing=args.activation_checkpointing,
+        step_seconds=clock.seconds,
+        per_gpu=args.per_gpu,
+        peak_memory_gb_whole_run=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        fit_seconds=fit_s,
+        device=torch.cuda.get_device_name() if cuda else "cpu",
+        torch=torch.__version__,
+        lightning=L.__version__,
+    )
+    (out / f"info_rank{rank}.json").write_text(json.dumps(info))
+
+
+def _gather_trainable(module: nn.Module) -> dict[str, Tensor]:
+    """The trainable weights, whole, on rank 0's CPU (a collective under FSDP2)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    names = {n for n, p in module.named_parameters() if p.requires_grad}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    state = get_model_state_dict(module, options=options)
+    return {k: v.detach().cpu() for k, v in state.items() if k in names}
+
+
+# --------------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------------
+
+
+def _rows(folder: Path) -> dict[int, dict[int, tuple[float, float]]]:
+    steps: dict[int, dict[int, tuple[float, float]]] = {}
+    for f in folder.glob("rows_rank*_step*.json"):
+        step = int(f.stem.rsplit("step", 1)[1])
+        for sample, reward, adv in json.loads(f.read_text()):
+            steps.setdefault(step, {})[sample] = (reward, adv)
+    return steps
+
+
+def _metrics(folder: Path) -> dict[int, dict[str, float]]:
+    path = folder / "metrics.json"
+    return {int(k): v for k, v in json.loads(path.read_text()).items()} if path.exists() else {}
+
+
+def _infos(folder: Path) -> list[dict[str, Any]]:
+    return [json.loads(f.read_text()) for f in sorted(folder.glob("info_rank*.json"))]
+
+
+def _max_diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
+    if sorted(a) != sorted(b):
+        return math.inf
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+RATIO_KEYS = ("actor/ratio", "actor/pg_clipfrac", "actor/clip_ratio", "actor/approx_kl", "actor/ppo_kl")
+
+
+def first_rollout_diff(a: Path, b: Path) -> dict[str, float]:
+    """Largest |a − b| of the first rollout's per-sample rewards and advantages and of its ratio /
+    clip statistics."""
+    ra, rb = _rows(a).get(0, {}), _rows(b).get(0, {})
+    if not ra or sorted(ra) != sorted(rb):
+        return {"rewards": math.inf, "advantages": math.inf, "ratio_stats": math.inf}
+    ma, mb = _metrics(a).get(0, {}), _metrics(b).get(0, {})
+    keys = [k for k in ma if k.startswith(RATIO_KEYS) and "by_step" not in k]
+    return {
+        "rewards": max(abs(ra[s][0] - rb[s][0]) for s in ra),
+        "advantages": max(abs(ra[s][1] - rb[s][1]) for s in ra),
+        "ratio_stats": max((abs(ma[k] - mb.get(k, math.inf)) for k in keys), default=math.inf),
+    }
+
+
+def summarise(root: Path, name: str, reference: str | None) -> dict[str, Any] | None:
+    folder = root / name
+    infos = _infos(folder)
+    if not infos:
+        return None
+    info = infos[0]
+    metrics = _metrics(folder)
+    steps = sorted(metrics)
+    # The first rollout carries the FLOP count, allocator warm-up and first-call compilations.
+    measured = [metrics[s] for s in steps[1:]] or [metrics[s] for s in steps]
+    throughput = [r["perf/throughput"] for r in measured if "perf/throughput" in r]
+    step_peaks = [r["perf/max_memory_allocated_gb"] for r in measured if "perf/max_memory_allocated_gb" in r]
+    out: dict[str, Any] = {
+        "name": name,
+        "device": info["device"],
+        "world_size": info["world_size"],
+        "strategy": info["strategy"],
+        "lora": info["lora"],
+        "kl_coef": info["kl_coef"],
+        "images_per_gpu": info["per_gpu"],
+        "micro_batch": info["micro_batch"],
+        "activation_checkpointing": info["activation_checkpointing"],
+        "rollouts": len(steps),
+        "images_per_gpu_s": statistics.median(throughput) if throughput else None,
+        "step_seconds_rank0": info["step_seconds"],
+        # The training step's peak (rank 0); the whole run's peak (FLOP count, checkpoint, export) over ranks.
+        "peak_memory_gb": max(step_peaks) if step_peaks else None,
+        "peak_memory_gb_whole_run_max_over_ranks": max((i["peak_memory_gb_whole_run"] or 0.0) for i in infos),
+        "torch": info["torch"],
+        "lightning": info["lightning"],
+    }
+    resumed = root / f"{name}_resumed"
+    resumed_infos = _infos(resumed)
+    if resumed_infos:
+        ra, rb = _rows(folder), _rows(resumed)
+        last = max(rb) if rb else None
+        out["resume_started_at_rollout"] = min(rb) if rb else None
+        out["resume_weights_max_abs_diff"] = resumed_infos[0].get("resume_weights_max_abs_diff")
+        out["resume_last_rollout_rewards_max_abs_diff"] = (
+            max(abs(ra[last][s][0] - rb[last][s][0]) for s in rb[last]) if last in ra else math.inf
+        )
+        # The resumed run restores the weights of rollout 2 and draws rollout 3 (prompts, noise) afresh:
+        # its rollout is a forward pass of the same weights on the same inputs, so its rewards equal the
+        # uninterrupted run's (the weights after its update differ only by the backward's
+        # non-deterministic kernels, reported for information).
+        out["resumed_ok"] = bool(
+            out["resume_started_at_rollout"] == len(steps) - 1
+            and out["resume_last_rollout_rewards_max_abs_diff"] <= 1e-6
+        )
+    else:
+        out["resumed_ok"] = None
+    out["exported_ok"] = info.get("exported_ok")
+    same_kind = reference is not None and any(i["lora"] == info["lora"] for i in _infos(root / reference))
+    if same_kind:
+        diff = first_rollout_diff(root / reference, folder)
+        out["first_rollout_max_abs_diff_vs_1gpu"] = max(diff.values())
+        out["first_rollout_diffs_vs_1gpu"] = diff
+    else:
+        out["first_rollout_max_abs_diff_vs_1gpu"] = None
+    return out
+
+
+def _exported_ok(path: Path, trained: dict[str, Tensor], lora: bool) -> bool:
+    """The export loads with diffusers' own loaders and holds the trained weights, exactly."""
+    prefix = "policy._transformer."
+    if lora:
+        from diffusers import StableDiffusion3Pipeline
+
+        state = StableDiffusion3Pipeline.lora_state_dict(str(path))
+        state = state[0] if isinstance(state, tuple) else state
+        # diffusers: transformer.<module>.lora_A.weight; ours: policy._transformer.<module>.lora_A.default.weight
+        ours = {
+            prefix + k.removeprefix("transformer.")[: -len("weight")] + "default.weight": v
+            for k, v in state.items()
+        }
+        return sorted(ours) == sorted(trained) and _max_diff(ours, trained) == 0.0
+    from diffusers import SD3Transformer2DModel
+
+    loaded = SD3Transformer2DModel.from_pretrained(str(path)).state_dict()
+    return all(torch.equal(loaded[k.removeprefix(prefix)], v) for k, v in trained.items())
+
+
+def report(args: argparse.Namespace) -> None:
+    root = Path(args.root)
+    names = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.endswith("_resumed"))
+    runs = [
+        r for r in (summarise(root, n, args.reference if n != args.reference else None) for n in names) if r
+    ]
+    by = {r["name"]: r for r in runs}
+    comparison: dict[str, Any] = {}
+    for fsdp in runs:
+        ddp = by.get("ddp_" + ("lora" if fsdp["lora"] else "full"))
+        if (
+            not fsdp["name"].startswith("fsdp2")
+            or not ddp
+            or not (fsdp["images_per_gpu_s"] and ddp["images_per_gpu_s"])
+        ):
+            continue
+        comparison[f"{fsdp['name']} / {ddp['name']}"] = entry = {
+            "throughput": fsdp["images_per_gpu_s"] / ddp["images_per_gpu_s"]
+        }
+        if fsdp["peak_memory_gb"] and ddp["peak_memory_gb"]:
+            entry["peak_memory"] = fsdp["peak_memory_gb"] / ddp["peak_memory_gb"]
+    result = {"runs": runs, "comparison": comparison}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(
+        f"{'run':<16}{'device':<24}{'W':>3}{'img/GPU/s':>11}{'peak GB':>9}{'resumed':>9}{'exported':>10}{'Δ1gpu':>10}"
+    )
+    for r in runs:
+        diff = r["first_rollout_max_abs_diff_vs_1gpu"]
+        print(
+            f"{r['name']:<16}{r['device'][:23]:<24}{r['world_size']:>3}"
+            f"{r['images_per_gpu_s'] or float('nan'):>11.3f}{r['peak_memory_gb'] or float('nan'):>9.2f}"
+            f"{r['resumed_ok']!s:>9}{r['exported_ok']!s:>10}{diff if diff is not None else float('nan'):>10.2e}"
+        )
+    print(json.dumps(comparison))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="one training run (launch with torchrun for several GPUs)")
+    p.add_argument("--strategy", choices=("single", "ddp", "fsdp2"), required=True)
+    p.add_argument("--full", action="store_true", help="full fine-tune (default: LoRA r32)")
+    p.add_argument(
+        "--kl_coef", type=float, default=None, help="default: 0 for LoRA, 0.04 for a full fine-tune"
+    )
+    p.add_argument("--size", choices=sorted(SIZES), default="sd35m")
+    p.add_argument("--per_gpu", type=int, default=16, help="images per GPU per rollout")
+    p.add_argument("--global_ranks", type=int, default=2, help="ranks the global batch is sized for")
+    p.add_argument("--micro_batch", type=int, default=8)
+    p.add_argument("--rollouts", type=int, default=3)
+    p.add_argument("--save_at", type=int, default=0, help="checkpoint every this many rollouts")
+    p.add_argument("--resume", default=None)
+    p.add_argument(
+        "--export", action="store_true", help="export, then check the export loads and holds the weights"
+    )
+    p.add_argument("--save_trained", action="store_true", help="keep the trained weights for a resumed run")
+    p.add_argument(
+        "--compare_to", default=None, help="a run with --save_trained whose weights to compare with"
+    )
+    p.add_argument("--activation_checkpointing", action="store_true")
+    p.add_argument("--out", required=True)
+    r = sub.add_parser("report", help="the results JSON from the runs' folders")
+    r.add_argument("root")
+    r.add_argument(
+        "--reference", default="single_lora", help="the 1-GPU run the first rollouts are compared with"
+    )
+    r.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        if args.per_gpu * args.global_ranks % 8:
+            sys.exit("--per_gpu × --global_ranks must be a multiple of the group size 8")
+        run(args)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()  # Lightning leaves it open
+    else:
+        report(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""Sharded training: ``--trainer.strategy=fsdp2``, FSDP2 (``fully_shard``) through Lightning's
+``ModelParallelStrategy``.
+
+Why FSDP2 and not Lightning's ``FSDPStrategy`` (FSDP1): FSDP1 wraps the whole LightningModule and runs
+``training_step`` inside the root module's forward; the update runs many backward passes per step
+(micro-batches × trained denoising steps), and FSDP1 refuses a backward inside its own forward.
+``ModelParallelStrategy`` wraps nothing: the module shards its transformer in ``configure_model`` and
+``training_step`` stays a plain method, so every forward/backward is an ordinary FSDP2 one.
+
+What is sharded: the policy's transformer, one FSDP2 unit per block (every child of the transformer's
+``nn.ModuleList`` s: SD3 ``transformer_blocks``, FLUX ``transformer_blocks`` + ``single_transformer_blocks``,
+Qwen-Image ``transformer_blocks``), then the transformer itself for the rest (embedders, final norm and
+projection); a full fine-tune's frozen reference copy the same way. Text encoders and the VAE are frozen
+and only run in the rollout: they stay replicated.
+
+Dtypes: FSDP2 all-gathers each parameter in its own dtype, so the frozen base stays in the policy's
+dtype (bf16), a LoRA adapter in fp32, and every forward computes exactly what it computes unsharded (the
+1-GPU equality depends on it). No ``MixedPrecisionPolicy`` is set: one would cast the fp32 adapter to the
+param dtype inside the forward, a different model from the one the rollout sampled.
+
+Checkpoints hold the trainable parameters only (the frozen base is re-read from ``pretrained``, as on one
+GPU): a folder with one shard file per rank by default (``torch.distributed.checkpoint``), or one file
+gathered on rank 0 with ``save_distributed_checkpoint=False``. Both resume on any number of ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from torch import nn
+
+__all__ = ["FSDP2Strategy", "transformer_blocks"]
+
+_FLAG = "--trainer.strategy"
+
+
+def transformer_blocks(module: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a denoising network: the children of its top-level ``nn.ModuleList`` s.
+
+    This finds the blocks of every family without a per-family table (SD3, FLUX, Qwen-Image
+    transformers; the down/up blocks of a U-Net).
+    """
+    return [block for child in module.children() if isinstance(child, nn.ModuleList) for block in child]
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """FSDP2 data-parallel sharding over all ranks (``--trainer.strategy=fsdp2``).
+
+    A ``ModelParallelStrategy`` with a one-dimensional mesh (every rank one data-parallel shard, no
+    tensor parallelism). The LightningModule applies the sharding in ``configure_model`` through
+    :meth:`shard`; ``FlowGRPOModule`` does so for its transformer.
+
+    The memory levers are settings of the strategy, since only a sharded run can honour them here;
+    give them with the class path::
+
+        --trainer.strategy=lit_flowgrpo.strategies.FSDP2Strategy
+        --trainer.strategy.activation_checkpointing=true
+
+    Args:
+        activation_checkpointing: recompute each transformer block's activations in the backward
+            instead of keeping them (the model's own gradient checkpointing, diffusers'
+            ``enable_gradient_checkpointing``): about one more forward per update pass, for the
+            activation memory of all blocks but one.
+        cpu_offload: keep the sharded parameters, gradients and optimizer state in host memory
+            (FSDP2's ``CPUOffloadPolicy``); each block is copied to the GPU for its forward and backward,
+            and the optimizer step runs on the CPU. Needs GPUs.
+        reshard_after_forward: free each block's gathered weights after its forward (ZeRO-3); ``False``
+            keeps them until the backward (ZeRO-2: less communication, the memory of the whole model).
+        save_distributed_checkpoint: write a checkpoint as a folder of per-rank shards; ``False``
+            gathers the trainable weights and optimizer state on rank 0 into one file.
+        process_group_backend: ``None`` chooses NCCL on GPUs, gloo on CPUs.
+        timeout: collective timeout.
+    """
+
+    strategy_name = "fsdp2"
+
+    def __init__(
+        self,
+        activation_checkpointing: bool = False,
+        cpu_offload: bool = False,
+        reshard_after_forward: bool = True,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.activation_checkpointing = activation_checkpointing
+        self.cpu_offload = cpu_offload
+        self.reshard_after_forward = reshard_after_forward
+
+    # -- processes and mesh -------------------------------------------------------------------------
+
+    def setup_environment(self) -> None:
+        if self.cpu_offload and self.root_device.type != "cuda":
+            raise ValueError(
+                f"{_FLAG}.cpu_offload=true needs GPUs (it moves shards between host and device memory); on "
+                f"{self.root_device.type} drop it"
+            )
+        # Every rank is one data-parallel shard: a (world, 1) mesh. The parent's "auto" would make
+        # the ranks of a node one tensor-parallel group.
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    # -- sharding -----------------------------------------------------------------------------------
+
+    def shard(self, module: nn.Module) -> None:
+        """Shard ``module`` for this strategy: one FSDP2 unit per block, then the module itself.
+
+        Called by the LightningModule's ``configure_model`` on each network to shard (the trained
+        transformer, a frozen reference copy). The module may sit on the CPU: each block moves to its
+        device as it is sharded, so no rank ever holds the whole model on the GPU.
+        """
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+        blocks = transformer_blocks(module)
+        if not blocks:
+            raise ValueError(
+                f"{_FLAG}=fsdp2: {type(module).__name__} has no nn.ModuleList of blocks to shard as units; "
+                "sharding it as one unit would gather the whole model for every forward"
+            )
+        if self.activation_checkpointing and any(p.requires_grad for p in module.parameters()):
+            enable = getattr(module, "enable_gradient_checkpointing", None)
+            if not callable(enable) or not getattr(module, "_supports_gradient_checkpointing", False):
+                raise ValueError(
+                    f"{_FLAG}.activation_checkpointing=true: {type(module).__name__} has no gradient "
+                    "checkpointing of its blocks (diffusers' enable_gradient_checkpointing); drop the flag"
+                )
+            enable()
+        options: dict[str, Any] = {
+            "mesh": self.device_mesh["data_parallel"],
+            "reshard_after_forward": self.reshard_after_forward,
+            "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+        }
+        for block in blocks:
+            fully_shard(block, **options)
+        fully_shard(module, **options)
+
+    def model_to_device(self) -> None:
+        if not self.cpu_offload:
+            super().model_to_device()
+            return
+        # The parent's `.to(device)` would pull the offloaded shards onto the GPU: move only what
+        # FSDP2 does not manage (text encoders, VAE, metric states).
+        assert self.model is not None
+        _to_device_except_sharded(self.model, self.root_device)
+
+    # -- checkpoints --------------------------------------------------------------------------------
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The trainable parameters and the buffers, sharded (or whole on rank 0 with
+        ``save_distributed_checkpoint=False``): the frozen base is never copied to the host."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        assert self.model is not None
+        gather = not self._save_distributed_checkpoint
+        # Host copies only for the gathered form: the sharded save stages its tensors itself.
+        options = StateDictOptions(full_state_dict=gather, cpu_offload=gather, ignore_frozen_params=True)
+        state = get_model_state_dict(self.model, options=options)
+        # ignore_frozen_params misses the second name of a tied frozen weight (T5's embed_tokens).
+        frozen = {n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        return {k: v for k, v in state.items() if k not in frozen}
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load what the checkpoint holds into the sharded model and optimizers.
+
+        Unlike the parent, the checkpoint may hold a subset of the model (the trainable weights): the
+        LightningModule's ``on_load_checkpoint`` checks what must be there against
+        ``checkpoint["state_dict"]``, which holds the keys that were loaded.
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(self.broadcast(checkpoint_path))
+        assert self.model is not None
+        model = self.model
+        if path.is_dir():
+            reader = dcp.FileSystemReader(path)
+            saved = set(reader.read_metadata().state_dict_metadata)
+            wanted = get_model_state_dict(model)
+            state = {k: v for k, v in wanted.items() if f"state_dict.{k}" in saved}
+            dcp.load({"state_dict": state}, storage_reader=reader)
+            set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+            for i, optimizer in enumerate(self.optimizers):
+                optim_state = {f"optimizer_{i}": get_optimizer_state_dict(model, optimizer)}
+                dcp.load(optim_state, storage_reader=reader)
+                set_optimizer_state_dict(model, optimizer, optim_state[f"optimizer_{i}"])
+            checkpoint = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+            checkpoint["state_dict"] = state
+            return checkpoint
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+        full = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        set_model_state_dict(model, checkpoint["state_dict"], options=full)
+        for optimizer, optim_state in zip(
+            self.optimizers, checkpoint.get("optimizer_states", []), strict=False
+        ):
+            set_optimizer_state_dict(model, optimizer, _by_name(optim_state, model), options=full)
+        return checkpoint
+
+
+def _by_name(optim_state: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
+    """A full optimizer state keyed by parameter id (``torch.optim`` order) re-keyed by name, the form
+    ``set_optimizer_state_dict`` takes."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+    if optim_state["state"] and isinstance(next(iter(optim_state["state"])), int):
+        return FullyShardedDataParallel.rekey_optim_state_dict(
+            optim_state, OptimStateKeyType.PARAM_NAME, model
+        )
+    return dict(optim_state)
+
+
+def _to_device_except_sharded(module: nn.Module, device: torch.device) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule):
+        return
+    if not any(isinstance(m, FSDPModule) for m in module.modules()):
+        module.to(device)
+        return
+    module._apply(lambda t: t.to(device), recurse=False)
+    for child in module.children():
+        _to_device_except_sharded(child, device)
+
+
+StrategyRegistry.register(
+    FSDP2Strategy.strategy_name,
+    FSDP2Strategy,
+    description="FSDP2 (fully_shard per transformer block) data-parallel sharding over all ranks",
+)

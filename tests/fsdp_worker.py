@@ -1,0 +1,152 @@
+"""One training run of the tiny SD3 pipeline, as the sharded-training tests launch it.
+
+Run in-process (``run(config)``) or once per rank by torchrun
+(``python -m torch.distributed.run --nproc_per_node=2 tests/fsdp_worker.py CONFIG.json``). It writes
+to ``config["out"]``: each rank's (sample id, reward, advantage) rows per step, rank 0's logged
+metrics, the trained weights gathered whole on rank 0, and (optionally) the exported weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
+from lit_flowgrpo.callbacks import RLThroughputMonitor, TrainableEMA
+from lit_flowgrpo.policies import SD3Policy
+from lit_flowgrpo.strategies import FSDP2Strategy, transformer_blocks  # also registers "fsdp2"
+
+
+def brightness(images, prompts, metadata):
+    return images.mean(dim=(1, 2, 3))
+
+
+class RecordingModule(FlowGRPOModule):
+    def __init__(self, out: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.out = out
+
+    def _advantages(self, rewards, batch):
+        advantages, keep = super()._advantages(rewards, batch)
+        rows = [
+            [int(s), float(r), float(a)]
+            for s, r, a in zip(
+                batch.sample_ids.tolist(), rewards.total.tolist(), advantages.tolist(), strict=True
+            )
+        ]
+        (Path(self.out) / f"adv_rank{self.global_rank}_step{batch.step}.json").write_text(json.dumps(rows))
+        return advantages, keep
+
+
+class MemoryLogger(Logger):
+    """Rank 0's logged rows, written to ``metrics.json`` at the end."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+        self.rows: dict[int, dict[str, float]] = {}
+
+    name = "memory"
+    version = 0
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.setdefault(int(step or 0), {}).update({k: float(v) for k, v in metrics.items()})
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        self.path.write_text(json.dumps(self.rows))
+
+
+def build(config: dict[str, Any]) -> tuple[RecordingModule, PromptDataModule]:
+    lora = config.get("lora", True)
+    kl_coef = config.get("kl_coef", 0.0)
+    module = RecordingModule(
+        out=config["out"],
+        policy=SD3Policy(config["pipeline"], dtype="float32", max_sequence_length=16),
+        reward=brightness,
+        objective=FlowGRPO(clip_range=1e-2, kl_coef=kl_coef),
+        # One rollout chunk per rank's share of the batch: a single process then runs exactly the
+        # forwards the two ranks run.
+        sampler=Sampler(num_steps=3, eval_num_steps=2, height=32, width=32, batch_size=4),
+        update=UpdateSettings(
+            micro_batch_size=2, optimizer_steps_per_rollout=1, max_grad_norm=config.get("max_grad_norm")
+        ),
+        lora=LoraSettings(rank=2, alpha=4) if lora else None,
+        reference_copy=not lora and kl_coef > 0,
+        optimizer=functools.partial(torch.optim.SGD, lr=config.get("lr", 0.1)),
+    )
+    data = PromptDataModule(train=config["prompts"], prompts_per_step=2, group_size=4, seed=5)
+    return module, data
+
+
+def run(config: dict[str, Any]) -> None:
+    out = Path(config["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    module, data = build(config)
+    throughput = RLThroughputMonitor()
+    callbacks: list[L.Callback] = [throughput]
+    if config.get("ema"):
+        callbacks.append(TrainableEMA(decay=0.9, update_every=1))
+    if config.get("save_every"):
+        callbacks.append(
+            ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=config["save_every"], save_top_k=-1)
+        )
+    strategy = config.get("strategy", "auto")
+    if isinstance(strategy, dict):  # FSDP2Strategy's arguments
+        strategy = FSDP2Strategy(**strategy)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=config.get("devices", 1),
+        strategy=strategy,
+        max_steps=config.get("max_steps", 2),
+        logger=MemoryLogger(out / "metrics.json"),
+        callbacks=callbacks,
+        enable_checkpointing=bool(config.get("save_every")),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=config.get("resume"))
+    # A collective under FSDP2: every rank takes part, rank 0 gets the whole tensors.
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    state = {k: v for k, v in get_model_state_dict(module, options=options).items() if k in trainable}
+    if config.get("export"):
+        module.export(str(out / "export"))
+    if trainer.global_rank == 0:
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, out / "trained.pt")
+    if trainer.global_rank == 0:
+        transformer = module.policy.transformer
+        info = {
+            "sharded_blocks": sum(isinstance(b, FSDPModule) for b in transformer_blocks(transformer)),
+            "dtensor_params": all(isinstance(p, DTensor) for p in transformer.parameters()),
+            "gradient_checkpointing": bool(transformer.gradient_checkpointing),
+            "flops": [throughput.flops_per_forward, throughput.flops_per_train_forward],
+        }
+        (out / "info.json").write_text(json.dumps(info))
+
+
+if __name__ == "__main__":
+    run(json.loads(Path(sys.argv[1]).read_text()))
+    if torch.distributed.is_initialized():
+        # Lightning leaves the process group open; gloo's threads can abort the exit otherwise.
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,289 @@
+"""Sharded training (``--trainer.strategy=fsdp2``) on 2 CPU processes (gloo), launched by torchrun.
+
+FSDP2 runs the same arithmetic as one process, in fp32: each rank all-gathers the exact weights, so
+the only differences are the order of float sums (the rollout chunks of one process are the ranks'
+batches, see ``fsdp_worker.build``) and the cross-rank gradient reduction. Tolerances below follow
+from that: a few fp32 roundings on each reward, propagated through the advantage normalisation.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import fsdp_worker
+import pytest
+import torch
+from torch import nn
+
+from lit_flowgrpo import FlowGRPOModule, LoraSettings, PromptDataModule
+from lit_flowgrpo.policies import SD3Policy
+from lit_flowgrpo.strategies import FSDP2Strategy, transformer_blocks
+
+EPS32 = torch.finfo(torch.float32).eps
+WORKER = str(Path(fsdp_worker.__file__))
+
+
+def torchrun(config: dict, tmp: Path, name: str) -> subprocess.Popen:
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(config))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        WORKER,
+        str(path),
+    ]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen) -> None:
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-6000:]
+
+
+def rows(out: Path) -> dict[int, dict[int, tuple[float, float]]]:
+    """{step: {sample id: (reward, advantage)}} over all ranks."""
+    steps: dict[int, dict[int, tuple[float, float]]] = {}
+    for f in glob.glob(str(out / "adv_rank*_step*.json")):
+        step = int(f.rsplit("step", 1)[1].split(".")[0])
+        for sample, reward, adv in json.loads(Path(f).read_text()):
+            steps.setdefault(step, {})[sample] = (reward, adv)
+    return steps
+
+
+def metrics(out: Path) -> dict[int, dict[str, float]]:
+    return {int(k): v for k, v in json.loads((out / "metrics.json").read_text()).items()}
+
+
+# slow: three processes import the package and run two rollouts each (about a minute on 2 shared cores).
+@pytest.mark.slow
+def test_fsdp2_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tmp_path):
+    """Rewards, advantages, ratio statistics, the clipped global gradient norm and the LoRA weights
+    after 2 steps; the adapter exported from the sharded run loads into the diffusers pipeline."""
+    # Clipping is active (norms are ~5e-3) and the optimizer is SGD, so a wrong global norm (a
+    # rank-local one, say) changes the weights; Adam would hide any gradient scale.
+    config = dict(pipeline=tiny_sd3_path, prompts=prompt_file, max_grad_norm=1e-3, lr=0.1, max_steps=2)
+    lr, max_norm, steps = 0.1, 1e-3, 2
+    sharded = dict(config, out=str(tmp_path / "fsdp"), devices=2, export=True)
+    sharded["strategy"] = dict(activation_checkpointing=True)  # recomputation is exact: same numbers
+    proc = torchrun(sharded, tmp_path, "fsdp")
+    fsdp_worker.run(dict(config, out=str(tmp_path / "single")))
+    finish(proc)
+
+    single, fsdp = rows(tmp_path / "single"), rows(tmp_path / "fsdp")
+    assert sorted(single) == sorted(fsdp) == [0, 1]
+    m1, m2 = metrics(tmp_path / "single"), metrics(tmp_path / "fsdp")
+    for step in single:
+        assert sorted(single[step]) == sorted(fsdp[step]) == list(range(8))
+        r = torch.tensor([single[step][s][0] for s in range(8)], dtype=torch.float64)
+        r2 = torch.tensor([fsdp[step][s][0] for s in range(8)], dtype=torch.float64)
+        a = torch.tensor([single[step][s][1] for s in range(8)], dtype=torch.float64)
+        a2 = torch.tensor([fsdp[step][s][1] for s in range(8)], dtype=torch.float64)
+        # A reward is a mean over the image after 3 denoising steps and the VAE: allow 16 roundings.
+        tol_r = 16 * EPS32 * float(r.abs().max())
+        assert float((r - r2).abs().max()) <= tol_r
+        # a = (r − mean) / std: an error δ in the rewards moves a by at most 2δ(1 + |a|) / std.
+        tol_a = 2 * tol_r * (1 + float(a.abs().max())) / float(r.std(unbiased=False))
+        assert float((a - a2).abs().max()) <= tol_a
+        # The gradient is linear in the advantages (ratio 1 on-policy); its norm moves relatively by
+        # at most the advantages' relative error.
+        rel_g = tol_a * 8**0.5 / float(a.norm())
+        assert m2[step]["actor/grad_norm"] == pytest.approx(m1[step]["actor/grad_norm"], rel=rel_g)
+        assert m1[step]["actor/grad_norm"] > max_norm  # so clipping was active
+    # Ratio and clip statistics of the first rollout: every ratio is computed with the initial weights
+    # (one optimizer step per rollout), per sample, exactly as in one process.
+    ratio_keys = [k for k in m1[0] if k.startswith(("actor/ratio", "actor/pg_clipfrac", "actor/clip_ratio"))]
+    assert len(ratio_keys) >= 8
+    for key in [*ratio_keys, "actor/on_policy_ratio_err"]:
+        # ratios are exp(log p − log p_old) of equal per-sample numbers: a few roundings around 1.
+        assert m2[0][key] == pytest.approx(m1[0][key], abs=8 * EPS32), key
+
+    w1 = torch.load(tmp_path / "single" / "trained.pt")
+    w2 = torch.load(tmp_path / "fsdp" / "trained.pt")
+    assert sorted(w1) == sorted(w2) and any("lora_B" in k for k in w1)
+    # SGD with a clipped step: each update is lr·max_norm·g/|g|, so per step it moves by at most
+    # 2·lr·max_norm·(relative gradient error).
+    tol_w = steps * 2 * lr * max_norm * rel_g
+    for key in w1:
+        assert float((w1[key] - w2[key]).abs().max()) <= tol_w, key
+
+    info = json.loads((tmp_path / "fsdp" / "info.json").read_text())
+    flops = info.pop("flops")
+    assert info == {"sharded_blocks": 2, "dtensor_params": True, "gradient_checkpointing": True}
+    # RLThroughputMonitor counted the sharded transformer's FLOPs: the forward is the unsharded
+    # model's; forward + backward adds the blocks' recomputation (activation checkpointing), at most
+    # one more forward.
+    fwd, fwd_bwd = json.loads((tmp_path / "single" / "info.json").read_text())["flops"]
+    assert flops[0] == fwd > 0
+    assert fwd_bwd < flops[1] < fwd_bwd + fwd
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_path)
+    pipe.load_lora_weights(str(tmp_path / "fsdp" / "export"))
+
+    # Keys without the adapter's name ("default" in training, "default_0" once loaded).
+    def plain(key: str) -> str:
+        return re.sub(r"\.(lora_[AB])\.[^.]+\.", r".\1.", key.removeprefix("policy._transformer."))
+
+    loaded = {plain(k): v for k, v in pipe.transformer.named_parameters() if "lora_" in k}
+    assert sorted(loaded) == sorted(plain(k) for k in w2)
+    for key, value in w2.items():
+        assert torch.equal(loaded[plain(key)], value), key
+
+
+@pytest.mark.slow
+def test_fsdp2_full_finetune_saves_resumes_and_exports(tiny_sd3_path, prompt_file, tmp_path):
+    """A full fine-tune with the frozen reference copy (sharded too) and β > 0: a run resumed from its
+    step-1 checkpoint ends with the uninterrupted run's weights, bit for bit; the checkpoint folder
+    holds the trainable tensors only; the transformer exported in the run, and offline from the
+    checkpoint by a single process, is the trained one."""
+    base = dict(
+        pipeline=tiny_sd3_path, prompts=prompt_file, strategy="fsdp2", devices=2, lora=False, kl_coef=0.1
+    )
+    base.update(max_grad_norm=1.0, lr=0.05, max_steps=2)
+    straight = tmp_path / "straight"
+    finish(torchrun(dict(base, out=str(straight), save_every=1, export=True), tmp_path, "straight"))
+    ckpt = straight / "ckpt" / "epoch=0-step=1.ckpt"
+    resumed = tmp_path / "resumed"
+    finish(torchrun(dict(base, out=str(resumed), resume=str(ckpt)), tmp_path, "resumed"))
+
+    a, b = torch.load(straight / "trained.pt"), torch.load(resumed / "trained.pt")
+    assert sorted(a) == sorted(b) and all(k.startswith("policy._transformer.") for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert sorted(rows(resumed)) == [1]  # the resumed run drew step 1, not step 0 again
+    assert rows(resumed)[1] == rows(straight)[1]
+    assert metrics(straight)[1]["actor/kl_loss"] > 0  # the policy left its sharded frozen reference
+
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    weights = {k.removeprefix("state_dict.") for k in saved if k.startswith("state_dict.")}
+    assert weights and all(k.startswith("policy._transformer.") for k in weights)  # no encoder, no VAE
+
+    from diffusers import SD3Transformer2DModel
+
+    prefix = "policy._transformer."
+    exported = SD3Transformer2DModel.from_pretrained(str(straight / "export")).state_dict()
+    assert {k[len(prefix) :] for k in a} <= set(exported)  # every weight (and the buffers)
+    for key, value in a.items():
+        assert torch.equal(exported[key[len(prefix) :]], value), key
+
+    # Offline, one process: the checkpoint folder read whole, then exported as the CLI does.
+    module, _ = fsdp_worker.build(dict(base, out=str(tmp_path / "offline")))
+    module.load_trainable_checkpoint(str(straight / "ckpt" / "epoch=0-step=2.ckpt"), use_ema=False)
+    module.export(str(tmp_path / "offline_export"))
+    offline = SD3Transformer2DModel.from_pretrained(str(tmp_path / "offline_export")).state_dict()
+    for key, value in a.items():
+        assert torch.equal(offline[key[len(prefix) :]], value), key
+
+
+# --------------------------------------------------------------------------------------------------
+# Settings the strategy or the module cannot honour fail before any weight is read.
+# --------------------------------------------------------------------------------------------------
+
+
+def _module(path: str) -> FlowGRPOModule:
+    return FlowGRPOModule(
+        policy=SD3Policy(path, dtype="float32"), reward=fsdp_worker.brightness, lora=LoraSettings(rank=2)
+    )
+
+
+def _setup_under(module: FlowGRPOModule, strategy, data, world_size: int = 2) -> None:
+    # Lightning refuses FSDP1 and DeepSpeed on a CPU before any hook runs, so the hook is called with
+    # a stand-in trainer that has the strategy.
+    module._trainer = SimpleNamespace(strategy=strategy, world_size=world_size, datamodule=data)
+    module.setup("fit")
+
+
+@pytest.mark.parametrize(
+    ("strategy", "message"),
+    [
+        ("fsdp", r"--trainer.strategy=fsdp \(Lightning's FSDPStrategy.*use --trainer.strategy=fsdp2"),
+        ("deepspeed", r"--trainer.strategy=deepspeed is not supported.*--trainer.strategy=fsdp2"),
+        ("model_parallel", r"applies no tensor parallelism; use --trainer.strategy=fsdp2"),
+    ],
+)
+def test_unsupported_strategies_fail_in_setup_naming_fsdp2(tiny_sd3_path, prompt_file, strategy, message):
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+    instance = {
+        "fsdp": FSDPStrategy,
+        "deepspeed": lambda: DeepSpeedStrategy.__new__(DeepSpeedStrategy),  # needs no deepspeed install
+        "model_parallel": ModelParallelStrategy,
+    }[strategy]()
+    instance.strategy_name = getattr(instance, "strategy_name", strategy)
+    module = _module(tiny_sd3_path)
+    with pytest.raises(ValueError, match=message):
+        _setup_under(module, instance, PromptDataModule(train=prompt_file, prompts_per_step=2, group_size=4))
+    assert module.policy.pipe is None  # nothing was loaded
+
+
+def test_fsdp2_needs_validation_evenly_split(tiny_sd3_path, prompt_file):
+    def data(prompts_per_step: int) -> PromptDataModule:
+        return PromptDataModule(
+            train=prompt_file,
+            val=prompt_file,
+            prompts_per_step=prompts_per_step,
+            group_size=4,
+            max_val_prompts=3,
+        )
+
+    with pytest.raises(
+        ValueError, match=r"--data.val prompts × --data.val_seeds \(3\) must be a multiple of"
+    ):
+        _setup_under(_module(tiny_sd3_path), FSDP2Strategy(), data(2), world_size=2)
+    _setup_under(_module(tiny_sd3_path), FSDP2Strategy(), data(3), world_size=3)  # 3 on 3 ranks: fine
+
+
+def test_cpu_offload_needs_gpus(tiny_sd3_path, prompt_file):
+    import lightning as L
+
+    module = _module(tiny_sd3_path)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=FSDP2Strategy(cpu_offload=True), logger=False)
+    with pytest.raises(ValueError, match=r"--trainer.strategy.cpu_offload=true needs GPUs"):
+        trainer.fit(module, datamodule=PromptDataModule(train=prompt_file, prompts_per_step=2, group_size=4))
+    assert module.policy.pipe is None
+
+
+def test_activation_checkpointing_needs_model_support():
+    class Plain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+
+    with pytest.raises(
+        ValueError, match=r"activation_checkpointing=true: Plain has no gradient checkpointing"
+    ):
+        FSDP2Strategy(activation_checkpointing=True).shard(Plain())
+    with pytest.raises(ValueError, match=r"Linear has no nn.ModuleList of blocks"):
+        FSDP2Strategy().shard(nn.Linear(2, 2))
+
+
+def test_transformer_blocks_of_every_family():
+    from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel, SD3Transformer2DModel
+
+    sd3 = SD3Transformer2DModel(
+        sample_size=8, patch_size=1, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=8, out_channels=4,
+        pos_embed_max_size=8,
+    )  # fmt: skip
+    flux = FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=2, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8, axes_dims_rope=(2, 2, 4),
+    )  # fmt: skip
+    qwen = QwenImageTransformer2DModel(
+        patch_size=1, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=16, axes_dims_rope=(2, 2, 4),
+    )  # fmt: skip
+    assert transformer_blocks(sd3) == list(sd3.transformer_blocks)
+    assert transformer_blocks(flux) == [*flux.transformer_blocks, *flux.single_transformer_blocks]
+    assert transformer_blocks(qwen) == list(qwen.transformer_blocks)
