@@ -25,7 +25,7 @@ _EXPORTS = {
     "PromptBatch": "lit_flowgrpo.data",
     "PromptDataModule": "lit_flowgrpo.data",
     "Sampler": "lit_flowgrpo.rollout",
-    "UpdateSettings": "lit_flowgrpo.module",
+    "UpdateSettings": "lit_flowgrpo.update",
 }
 
 __all__ = [
@@ -50,11 +50,12 @@ if TYPE_CHECKING:
     from lit_flowgrpo.data import GroupSampler, PromptBatch, PromptDataModule
     from lit_flowgrpo.lora import LoraSettings
     from lit_flowgrpo.metrics import DiagnosticsSettings
-    from lit_flowgrpo.module import FlowGRPOModule, UpdateSettings
+    from lit_flowgrpo.module import FlowGRPOModule
     from lit_flowgrpo.objective import FlowGRPO, GRPOGuard, Objective
     from lit_flowgrpo.performance import PerformanceSettings
     from lit_flowgrpo.rollout import Sampler
     from lit_flowgrpo.strategies import FSDP2Strategy
+    from lit_flowgrpo.update import UpdateSettings
 
 
 def __getattr__(name: str) -> Any:

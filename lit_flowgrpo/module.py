@@ -19,8 +19,8 @@ import dataclasses
 import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning as L
@@ -34,49 +34,16 @@ from lit_flowgrpo.advantages import AdvantageSettings
 from lit_flowgrpo.data import PromptBatch
 from lit_flowgrpo.lora import LoraSettings, TrainableWeights
 from lit_flowgrpo.metrics import DiagnosticsSettings, PolicyRatioStats, RewardGroupStats
-from lit_flowgrpo.objective import FlowGRPO, Objective, ScoredStep
+from lit_flowgrpo.objective import FlowGRPO, Objective
 from lit_flowgrpo.performance import PerformanceSettings
-from lit_flowgrpo.policies.base import FlowPolicy, index_embeds
+from lit_flowgrpo.policies.base import FlowPolicy
 from lit_flowgrpo.rewards.base import MultiReward, RewardOutput, as_reward
 from lit_flowgrpo.rollout import Sampler, Trajectory
 from lit_flowgrpo.step_output import STAGES, StepOutput, ValidationOutput
+from lit_flowgrpo.strategies import read_sharded_checkpoint, strategy_problems
+from lit_flowgrpo.update import UpdateSettings, micro_step
 
 __all__ = ["AdvantageSettings", "DiagnosticsSettings", "FlowGRPOModule", "LoraSettings", "UpdateSettings"]
-
-
-@dataclass
-class UpdateSettings:
-    """How the update walks one rollout batch.
-
-    Args:
-        num_inner_epochs: passes over each rollout batch.
-        micro_batch_size: samples per forward/backward in the update.
-        optimizer_steps_per_rollout: optimizer steps per inner epoch; gradients accumulate over the
-            (micro-batch, step) pairs in between (Flow-GRPO takes 2).
-        train_cfg: apply CFG in the update too; off, the update scores the rollout (made with CFG)
-            under the conditional model alone, which is off-policy by construction.
-        max_grad_norm: gradient clipping norm (``None``: no clipping, still logged).
-        on_policy_tol: tolerance of the on-policy check, mean |ratio − 1| at the first micro-batch
-            before any update; ``None``: 1e-6 when the transformer holds and computes fp32, 1e-3
-            otherwise.
-    """
-
-    num_inner_epochs: int = 1
-    micro_batch_size: int = 4
-    optimizer_steps_per_rollout: int = 2
-    train_cfg: bool = True
-    max_grad_norm: float | None = 1.0
-    on_policy_tol: float | None = None
-
-    def problems(self, flag: str = "--model.update") -> list[str]:
-        p = [
-            f"{flag}.{name} ({getattr(self, name)}) must be at least 1"
-            for name in ("num_inner_epochs", "micro_batch_size", "optimizer_steps_per_rollout")
-            if getattr(self, name) < 1
-        ]
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            p.append(f"{flag}.max_grad_norm ({self.max_grad_norm}) must be > 0, or null for no clipping")
-        return p
 
 
 class FlowGRPOModule(L.LightningModule):
@@ -218,47 +185,12 @@ class FlowGRPOModule(L.LightningModule):
                 problems += [f"{flag}: {line}" for line in found[:10]]
                 if len(found) > 10:
                     problems.append(f"{flag}: ... and {len(found) - 10} more")
-        problems += self._strategy_problems(dm)
+        problems += strategy_problems(self.trainer, dm, self.performance)
         if problems:
             raise ValueError("invalid settings:\n  " + "\n  ".join(problems))
         check = getattr(self.reward, "check", None)
         if callable(check):
             check()  # remote endpoints answer before the first rollout
-
-    def _strategy_problems(self, dm: Any) -> list[str]:
-        """The strategies the update cannot run under, and what sharding asks of the data."""
-        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
-
-        from lit_flowgrpo.strategies import FSDP2Strategy
-
-        strategy = self.trainer.strategy
-        if isinstance(strategy, FSDPStrategy):
-            return [
-                "--trainer.strategy=fsdp (Lightning's FSDPStrategy, FSDP1) runs training_step inside the root "
-                "module's forward, where the update's backward passes (one per micro-batch and trained step) "
-                "are illegal: use --trainer.strategy=fsdp2 (FSDP2, sharded per transformer block)"
-            ]
-        if isinstance(strategy, DeepSpeedStrategy):
-            return [
-                f"--trainer.strategy={getattr(strategy, 'strategy_name', 'deepspeed')} is not supported: "
-                "DeepSpeed's engine expects one backward per forward of the whole module, the update runs "
-                "many per training step; use --trainer.strategy=fsdp2 to shard (or ddp)"
-            ]
-        if isinstance(strategy, ModelParallelStrategy) and not isinstance(strategy, FSDP2Strategy):
-            return [
-                f"--trainer.strategy ({type(strategy).__name__}): FlowGRPOModule applies no tensor parallelism; "
-                "use --trainer.strategy=fsdp2 (data-parallel sharding over all ranks)"
-            ]
-        world = self.trainer.world_size
-        val = len(getattr(dm, "val_records", [])) * getattr(dm, "val_seeds", 1)
-        if isinstance(strategy, FSDP2Strategy) and val % world:
-            # Each sharded forward gathers weights from every rank: all ranks must run the same number.
-            return [
-                f"--data.val prompts × --data.val_seeds ({val}) must be a multiple of the number of ranks "
-                f"({world}) under --trainer.strategy=fsdp2, whose forwards are collective: set "
-                "--data.max_val_prompts or --data.val_seeds so"
-            ]
-        return []
 
     def configure_model(self) -> None:
         if self._configured:
@@ -393,27 +325,44 @@ class FlowGRPOModule(L.LightningModule):
             gen = torch.Generator().manual_seed(self.seed * 7_919 + batch.step)
             sample_ids = batch.sample_ids.to(self.device)  # once: a copy inside the loop would synchronise
             first = True
+
+            @contextmanager
+            def reference_timer() -> Iterator[None]:
+                start = self._clock()
+                yield
+                timings["ref"] += self._clock() - start
+
             for _ in range(settings.num_inner_epochs):
                 order = kept[torch.randperm(len(kept), generator=gen).to(kept.device)]
-                units = [(m, j) for m in range(n_micro) for j in range(traj.num_trained)]
-                for chunk in _split(units, settings.optimizer_steps_per_rollout):
+                for chunk in settings.chunks(n_micro, traj.num_trained):
                     for m, j in chunk:
-                        idx, live = self._micro_batch(order, m, len(advantages))
-                        loss, stats, new_logp = self._micro_step(
-                            traj, embeds, advantages, idx, live, j, guidance, timings
-                        )
+                        idx, live = settings.micro_batch(order, m, len(advantages))
+                        out = micro_step(
+                            self.policy, self.objective, self.weights, traj, embeds, advantages, idx, live, j,
+                            guidance, reference_timer,
+                        )  # fmt: skip
                         forwards["update"] += per_forward * len(idx)
                         forwards["ref"] += per_forward * len(idx) if self.objective.uses_reference else 0
                         if first:
-                            self._on_policy_check(stats.ratio if stats is not None else None, tol)
+                            self._on_policy_check(out.stats.ratio if out.stats is not None else None, tol)
                             first = False
-                        self.manual_backward(loss / len(chunk))
-                        if stats is not None:
+                        # Accumulated on the device: no host read per (micro-batch, step).
+                        self._sums += torch.stack(
+                            [
+                                out.loss.detach(),
+                                out.pg_loss.detach(),
+                                out.kl.detach(),
+                                (~out.loss.isfinite()).float(),
+                            ]
+                        )
+                        self._n_losses += 1
+                        self.manual_backward(out.loss / len(chunk))
+                        if out.stats is not None:
                             self.ratio_stats.update(
-                                new_logp,
+                                out.new_log_prob,
                                 traj.log_probs[idx[:live], j],
-                                stats.advantages,
-                                ratio=stats.ratio,
+                                out.stats.advantages,
+                                ratio=out.stats.ratio,
                                 step=torch.full((live,), int(traj.step_indices[j]), device=self.device),
                                 sample_id=sample_ids[idx[:live]],
                                 std_dev_t=traj.std_dev_t[idx[:live], j],
@@ -422,66 +371,6 @@ class FlowGRPOModule(L.LightningModule):
                     applied += self._optimizer_step(opt, sched)
         self._check_progress(applied)
         return forwards
-
-    def _micro_batch(self, order: Tensor, m: int, batch: int) -> tuple[Tensor, int]:
-        """Indices of micro-batch ``m`` and how many of them are real: the first ``live``; the rest
-        pad with rows whose loss is not counted, so every rank runs the same number of passes."""
-        size = self.update.micro_batch_size
-        idx = order[m * size : (m + 1) * size]
-        live = len(idx)
-        if live < size:
-            idx = torch.cat([idx, torch.arange(size - live, device=order.device) % batch])
-        return idx, live
-
-    def _micro_step(
-        self,
-        traj: Trajectory,
-        embeds: dict[str, Tensor],
-        advantages: Tensor,
-        idx: Tensor,
-        live: int,
-        j: int,
-        guidance: float,
-        timings: dict[str, float],
-    ) -> tuple[Tensor, Any, Tensor]:
-        """Loss of one (micro-batch, trained step); statistics and new log-probs of its ``live`` rows."""
-        x, cond = traj.latents[idx, j], index_embeds(embeds, idx)
-        sigma = torch.full((len(idx),), float(traj.sigmas[j]), device=x.device)
-        ref_mean = None
-        if self.objective.uses_reference:
-            # Before the θ forward: a full fine-tune's reference swaps weights the θ graph would save.
-            t = self._clock()
-            with torch.no_grad(), self.weights.reference(self.policy):
-                ref_mean = traj.score(self.policy.velocity(x, sigma, cond, guidance), j, idx).prev_sample_mean
-            timings["ref"] += self._clock() - t
-        step = traj.score(self.policy.velocity(x, sigma, cond, guidance), j, idx)
-        zero = torch.zeros((), device=x.device)
-        if live:
-            rows = idx[:live]
-            scored = ScoredStep(
-                log_prob=step.log_prob[:live],
-                old_log_prob=traj.log_probs[rows, j],
-                advantages=advantages[rows],
-                prev_sample_mean=step.prev_sample_mean[:live],
-                old_prev_sample_mean=None
-                if traj.prev_sample_means is None
-                else traj.prev_sample_means[rows, j],
-                std_dev_t=traj.std_dev_t[rows, j],
-                sqrt_dt=traj.sqrt_dt[rows, j],
-            )
-            pg_loss, stats = self.objective.policy_loss(scored)
-            kl = self.objective.kl(scored, ref_mean[:live]).mean() if ref_mean is not None else zero
-        else:
-            # Padding only keeps every rank's backward count equal; touching the graph lets DDP
-            # see every parameter.
-            pg_loss, stats, kl = step.log_prob.sum() * 0.0, None, zero
-        loss = pg_loss + self.objective.kl_coef * kl
-        # Accumulated on the device: no host read per (micro-batch, step); read once per rollout.
-        self._sums += torch.stack(
-            [loss.detach(), pg_loss.detach(), kl.detach(), (~torch.isfinite(loss)).float()]
-        )
-        self._n_losses += 1
-        return loss, stats, step.log_prob.detach()[:live]
 
     def _on_policy_check(self, ratio: Tensor | None, tol: float) -> None:
         err = (ratio - 1).abs().mean() if ratio is not None else torch.zeros((), device=self.device)
@@ -669,7 +558,7 @@ class FlowGRPOModule(L.LightningModule):
 
         self.configure_model()
         if os.path.isdir(path):
-            ckpt = self._read_sharded_checkpoint(path)
+            ckpt = read_sharded_checkpoint(path, self)
         else:
             ckpt = torch.load(path, map_location="cpu", weights_only=False)
         state = dict(ckpt["state_dict"])
@@ -684,26 +573,6 @@ class FlowGRPOModule(L.LightningModule):
             )
         self.load_state_dict(state, strict=False)
 
-    def _read_sharded_checkpoint(self, path: str) -> dict[str, Any]:
-        """A ``--trainer.strategy=fsdp2`` checkpoint folder read whole into this process: its metadata,
-        with ``state_dict`` holding the trainable tensors it has (unsharded)."""
-        import os
-
-        import torch.distributed.checkpoint as dcp
-        from lightning.fabric.utilities.load import _METADATA_FILENAME
-
-        reader = dcp.FileSystemReader(path)
-        saved = set(reader.read_metadata().state_dict_metadata)
-        state = {
-            name: torch.empty_like(p, device="cpu")
-            for name, p in self.named_parameters()
-            if p.requires_grad and f"state_dict.{name}" in saved
-        }
-        dcp.load({"state_dict": state}, storage_reader=reader, no_dist=True)
-        ckpt = torch.load(os.path.join(path, _METADATA_FILENAME), map_location="cpu", weights_only=False)
-        ckpt["state_dict"] = state
-        return ckpt
-
     def export(self, path: str) -> str:
         """Write what was trained for the family's diffusers pipeline: the LoRA adapter
         (``pipeline.load_lora_weights(path)``) or, for a full fine-tune, the transformer folder
@@ -716,15 +585,3 @@ class FlowGRPOModule(L.LightningModule):
         if self.lora is None:
             raise ValueError("export_lora needs a LoRA run (--model.lora); use export() for a full fine-tune")
         self.export(path)
-
-
-def _split(units: Sequence[Any], parts: int) -> list[list[Any]]:
-    """``units`` in ``parts`` contiguous chunks as equal as possible (an optimizer step after each)."""
-    parts = max(1, min(parts, len(units)))
-    size, extra = divmod(len(units), parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + size + (1 if i < extra else 0)
-        out.append(list(units[start:end]))
-        start = end
-    return out

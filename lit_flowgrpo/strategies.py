@@ -247,3 +247,64 @@ StrategyRegistry.register(
     FSDP2Strategy,
     description="FSDP2 (fully_shard per transformer block) data-parallel sharding over all ranks",
 )
+
+
+def strategy_problems(trainer: Any, dm: Any, performance: Any) -> list[str]:
+    """The strategies ``FlowGRPOModule``'s update cannot run under, and what sharding asks of the data
+    and the performance settings (checked in ``setup``, before any weight is read)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    strategy = trainer.strategy
+    if isinstance(strategy, FSDPStrategy):
+        return [
+            "--trainer.strategy=fsdp (Lightning's FSDPStrategy, FSDP1) runs training_step inside the root "
+            "module's forward, where the update's backward passes (one per micro-batch and trained step) "
+            "are illegal: use --trainer.strategy=fsdp2 (FSDP2, sharded per transformer block)"
+        ]
+    if isinstance(strategy, DeepSpeedStrategy):
+        return [
+            f"--trainer.strategy={getattr(strategy, 'strategy_name', 'deepspeed')} is not supported: "
+            "DeepSpeed's engine expects one backward per forward of the whole module, the update runs "
+            "many per training step; use --trainer.strategy=fsdp2 to shard (or ddp)"
+        ]
+    if isinstance(strategy, ModelParallelStrategy) and not isinstance(strategy, FSDP2Strategy):
+        return [
+            f"--trainer.strategy ({type(strategy).__name__}): FlowGRPOModule applies no tensor parallelism; "
+            "use --trainer.strategy=fsdp2 (data-parallel sharding over all ranks)"
+        ]
+    if not isinstance(strategy, FSDP2Strategy):
+        return []
+    if getattr(performance, "rollout_merged_lora", False):
+        return [
+            "--model.performance.rollout_merged_lora merges the adapter into the base weights' storage, "
+            "which FSDP2 does not read back (it gathers from its own shards): drop it under "
+            "--trainer.strategy=fsdp2"
+        ]
+    world = trainer.world_size
+    val = len(getattr(dm, "val_records", None) or []) * getattr(dm, "val_seeds", 1)
+    if val % world:
+        # Each sharded forward gathers weights from every rank: all ranks must run the same number.
+        return [
+            f"--data.val prompts × --data.val_seeds ({val}) must be a multiple of the number of ranks "
+            f"({world}) under --trainer.strategy=fsdp2, whose forwards are collective: set "
+            "--data.max_val_prompts or --data.val_seeds so"
+        ]
+    return []
+
+
+def read_sharded_checkpoint(path: _PATH, module: nn.Module) -> dict[str, Any]:
+    """A ``--trainer.strategy=fsdp2`` checkpoint folder read whole into this process: its metadata,
+    with ``state_dict`` holding the trainable tensors of ``module`` it has (unsharded)."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(path)
+    saved = set(reader.read_metadata().state_dict_metadata)
+    state = {
+        name: torch.empty_like(p, device="cpu")
+        for name, p in module.named_parameters()
+        if p.requires_grad and f"state_dict.{name}" in saved
+    }
+    dcp.load({"state_dict": state}, storage_reader=reader, no_dist=True)
+    ckpt = torch.load(Path(path) / _METADATA_FILENAME, map_location="cpu", weights_only=False)
+    ckpt["state_dict"] = state
+    return ckpt

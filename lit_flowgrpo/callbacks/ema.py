@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -178,7 +179,10 @@ class TrainableEMA(Callback):
                 pickle objects other than tensors and containers (e.g. custom hyper-parameters).
         """
         if not isinstance(checkpoint, Mapping):
-            checkpoint = torch.load(checkpoint, map_location="cpu", weights_only=weights_only)
+            path = Path(checkpoint)
+            if path.is_dir():  # a sharded (FSDP2) checkpoint folder: the callbacks' states are in meta.pt
+                path = path / "meta.pt"
+            checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
         states = as_mapping(checkpoint.get("callbacks"))
         found = [v for k, v in states.items() if k.split("{")[0] == TrainableEMA.__qualname__]
         if len(found) != 1 or found[0].get("ema_state_dict") is None:
@@ -200,7 +204,7 @@ class TrainableEMA(Callback):
             "update_every": self.update_every,
             "optimizer_steps": self.optimizer_steps,
             "num_updates": self.num_updates,
-            "ema_state_dict": None if ema is None else {k: v.detach().cpu().clone() for k, v in ema.items()},
+            "ema_state_dict": None if ema is None else {k: _full(v).cpu().clone() for k, v in ema.items()},
         }
 
     @override
@@ -217,12 +221,16 @@ class TrainableEMA(Callback):
         self._check_names(set(loaded), set(ema))
         with torch.no_grad():
             for name, value in loaded.items():
-                ema[name].copy_(value)
+                ema[name].copy_(_like(value, ema[name]))
 
     # -- helpers ----------------------------------------------------------------------------------
 
     def _after_optimizer_step(self, pl_module: LightningModule) -> Any:
         def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if all(group.get("lr") == 0 for group in optimizer.param_groups):
+                # Lightning's sharded checkpointing takes a zero-lr step to create the optimizer's
+                # state: no weight changed, so no optimizer step to count.
+                return
             self.optimizer_steps += 1
             if self.optimizer_steps % self.update_every == 0:
                 self.update(pl_module)
@@ -268,9 +276,7 @@ class TrainableEMA(Callback):
         # fp32 shadows built directly: EMAModel would first clone each parameter in its own dtype (a
         # transient bf16 copy of a whole transformer in a full fine-tune), and a resume starts from
         # the saved values, not the module's
-        self._ema.shadow_params = [
-            source[n].to(device=p.device, dtype=torch.float32, copy=True) for n, p in params.items()
-        ]
+        self._ema.shadow_params = [_like(source[n], p) for n, p in params.items()]
         self._names = list(params)
         self._loaded = None
 
@@ -301,3 +307,22 @@ class TrainableEMA(Callback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+
+def _full(tensor: Tensor) -> Tensor:
+    """The whole tensor: a sharded (FSDP2) parameter or shadow is gathered (a collective: every rank
+    saves the callback's state)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
+
+
+def _like(value: Tensor, param: Tensor) -> Tensor:
+    """An fp32 copy of ``value`` placed like ``param``: sharded the same way when ``param`` is a
+    DTensor (every rank holds the whole ``value``, so this needs no communication)."""
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        if isinstance(value, DTensor):
+            return value.detach().to(torch.float32, copy=True)
+        full = value.detach().to(param.device, torch.float32)
+        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    return value.detach().to(device=param.device, dtype=torch.float32, copy=True)

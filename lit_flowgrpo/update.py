@@ -1,0 +1,146 @@
+"""The update stage: its settings, the walk over one rollout batch, and the loss of one micro-batch.
+
+One rollout batch is walked ``num_inner_epochs`` times; each walk cuts the kept samples into
+micro-batches and visits every (micro-batch, trained step) pair, with an optimizer step after each of
+``optimizer_steps_per_rollout`` contiguous chunks of those pairs (Flow-GRPO's gradient accumulation).
+The module runs the loop (it owns the backward, the optimizer and the logging); this file owns what
+the loop visits and what one visit computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lit_flowgrpo.algorithms import PolicyStats
+from lit_flowgrpo.lora import TrainableWeights
+from lit_flowgrpo.objective import Objective, ScoredStep
+from lit_flowgrpo.policies.base import Embeds, FlowPolicy, index_embeds
+from lit_flowgrpo.rollout import Trajectory
+
+__all__ = ["MicroStep", "UpdateSettings", "micro_step"]
+
+
+@dataclass
+class UpdateSettings:
+    """How the update walks one rollout batch.
+
+    Args:
+        num_inner_epochs: passes over each rollout batch.
+        micro_batch_size: samples per forward/backward in the update.
+        optimizer_steps_per_rollout: optimizer steps per inner epoch; gradients accumulate over the
+            (micro-batch, step) pairs in between (Flow-GRPO takes 2).
+        train_cfg: apply CFG in the update too; off, the update scores the rollout (made with CFG)
+            under the conditional model alone, which is off-policy by construction.
+        max_grad_norm: gradient clipping norm (``None``: no clipping, still logged).
+        on_policy_tol: tolerance of the on-policy check, mean |ratio − 1| at the first micro-batch
+            before any update; ``None``: 1e-6 when the transformer holds and computes fp32, 1e-3
+            otherwise.
+    """
+
+    num_inner_epochs: int = 1
+    micro_batch_size: int = 4
+    optimizer_steps_per_rollout: int = 2
+    train_cfg: bool = True
+    max_grad_norm: float | None = 1.0
+    on_policy_tol: float | None = None
+
+    def problems(self, flag: str = "--model.update") -> list[str]:
+        p = [
+            f"{flag}.{name} ({getattr(self, name)}) must be at least 1"
+            for name in ("num_inner_epochs", "micro_batch_size", "optimizer_steps_per_rollout")
+            if getattr(self, name) < 1
+        ]
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            p.append(f"{flag}.max_grad_norm ({self.max_grad_norm}) must be > 0, or null for no clipping")
+        return p
+
+    def chunks(self, num_micro: int, num_trained: int) -> list[list[tuple[int, int]]]:
+        """The (micro-batch, trained step) pairs of one inner epoch, in ``optimizer_steps_per_rollout``
+        contiguous chunks as equal as possible: an optimizer step after each."""
+        units = [(m, j) for m in range(num_micro) for j in range(num_trained)]
+        parts = max(1, min(self.optimizer_steps_per_rollout, len(units)))
+        size, extra = divmod(len(units), parts)
+        out, start = [], 0
+        for i in range(parts):
+            end = start + size + (1 if i < extra else 0)
+            out.append(units[start:end])
+            start = end
+        return [c for c in out if c]
+
+    def micro_batch(self, order: Tensor, m: int, batch: int) -> tuple[Tensor, int]:
+        """Indices of micro-batch ``m`` of ``order`` and how many are real: the first ``live``. The
+        rest pad with rows whose loss is not counted, so every rank runs the same number of passes."""
+        size = self.micro_batch_size
+        idx = order[m * size : (m + 1) * size]
+        live = len(idx)
+        if live < size:
+            idx = torch.cat([idx, torch.arange(size - live, device=order.device) % batch])
+        return idx, live
+
+
+@dataclass
+class MicroStep:
+    """What one (micro-batch, trained step) visit computed."""
+
+    loss: Tensor
+    """Scalar: policy loss + β·KL (padding rows excluded)."""
+    pg_loss: Tensor
+    kl: Tensor
+    stats: PolicyStats | None
+    """Per-sample statistics of the live rows (``None`` when every row was padding)."""
+    new_log_prob: Tensor
+    """(live,) log p_θ of the live rows, detached."""
+
+
+def micro_step(
+    policy: FlowPolicy,
+    objective: Objective,
+    weights: TrainableWeights,
+    traj: Trajectory,
+    embeds: Embeds,
+    advantages: Tensor,
+    idx: Tensor,
+    live: int,
+    j: int,
+    guidance: float,
+    reference_timer: Callable[[], Any],
+) -> MicroStep:
+    """Re-score trained step ``j`` of samples ``idx`` under the current policy (and the reference,
+    when the objective has a KL term) and return the loss of the first ``live`` rows.
+
+    ``reference_timer`` is a context-manager factory wrapped around the reference forward (the module
+    times it as the ``ref`` stage).
+    """
+    x, cond = traj.latents[idx, j], index_embeds(embeds, idx)
+    sigma = torch.full((len(idx),), float(traj.sigmas[j]), device=x.device)
+    ref_mean = None
+    if objective.uses_reference:
+        # Before the θ forward: a full fine-tune's reference swaps in weights the θ graph would save.
+        with reference_timer(), torch.no_grad(), weights.reference(policy):
+            ref_mean = traj.score(policy.velocity(x, sigma, cond, guidance), j, idx).prev_sample_mean
+    step = traj.score(policy.velocity(x, sigma, cond, guidance), j, idx)
+    zero = torch.zeros((), device=x.device)
+    if not live:
+        # Padding only keeps every rank's backward count equal; touching the graph lets DDP see
+        # every parameter.
+        pg_loss = step.log_prob.sum() * 0.0
+        return MicroStep(pg_loss, pg_loss, zero, None, step.log_prob.detach()[:0])
+    rows = idx[:live]
+    scored = ScoredStep(
+        log_prob=step.log_prob[:live],
+        old_log_prob=traj.log_probs[rows, j],
+        advantages=advantages[rows],
+        prev_sample_mean=step.prev_sample_mean[:live],
+        old_prev_sample_mean=None if traj.prev_sample_means is None else traj.prev_sample_means[rows, j],
+        std_dev_t=traj.std_dev_t[rows, j],
+        sqrt_dt=traj.sqrt_dt[rows, j],
+    )
+    pg_loss, stats = objective.policy_loss(scored)
+    kl = objective.kl(scored, ref_mean[:live]).mean() if ref_mean is not None else zero
+    loss = pg_loss + objective.kl_coef * kl
+    return MicroStep(loss, pg_loss, kl, stats, step.log_prob.detach()[:live])
