@@ -64,6 +64,7 @@ class RLThroughputMonitor(Callback):
       t_ref) · peak), with F_fwd the FLOPs of one single-sample transformer forward and n the
       single-sample forwards of each stage (CFG counts twice), on this rank.
     - ``perf/mfu/actor``: F_fwd+bwd · n_update_actor / (t_update_actor · peak).
+    - ``perf/max_memory_reserved_gb``: the same for memory the caching allocator reserved.
     - ``perf/max_memory_allocated_gb``: peak CUDA memory allocated during the step, GiB (the peak
       counter is reset at each step start).
     - ``global_step_time_s/{min,max,minmax_diff}`` and ``global_num_images/{min,max,minmax_diff}``:
@@ -80,7 +81,7 @@ class RLThroughputMonitor(Callback):
         measure_flops: count the transformer's FLOPs once at train start (one single-sample forward
             and one forward+backward). Needs ``pl_module.policy`` and the image size
             (``pl_module.sampler.height``/``width``, or ``pl_module.height``/``width``).
-        log_memory: log ``perf/max_memory_allocated_gb`` (CUDA only).
+        log_memory: log ``perf/max_memory_{allocated,reserved}_gb`` (CUDA only).
     """
 
     def __init__(
@@ -229,8 +230,12 @@ class RLThroughputMonitor(Callback):
     def _memory(self, trainer: Trainer) -> dict[str, float]:
         if not self._memory_tracked(trainer):
             return {}
-        peak_bytes = torch.cuda.max_memory_allocated(trainer.strategy.root_device)
-        return {"perf/max_memory_allocated_gb": peak_bytes / 2**30}
+        device = trainer.strategy.root_device
+        # Reserved includes the caching allocator's free blocks: the figure to compare with the card.
+        return {
+            "perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+            "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30,
+        }
 
     @staticmethod
     def _log(trainer: Trainer, metrics: dict[str, float]) -> None:
