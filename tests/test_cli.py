@@ -400,3 +400,14 @@ def test_plain_run_has_no_noise_of_ours(lora_run: dict[str, Any]) -> None:
     caught = "\n".join(lora_run["warnings"])
     assert "`IterableDataset` has `__len__` defined" not in caught
     assert "args parameter is intended to run from within Python" not in caught
+
+
+def test_clip_range_from_yaml_reaches_its_one_owner(tiny_sd3_path: str, tmp_path: Path, capfd) -> None:
+    """A bad clip range set in YAML is refused by the objective (its only validating owner), named by
+    its flag, before the data or any weight is loaded."""
+    text = _main_error(
+        _fit_args(tiny_sd3_path, tmp_path / "run", "--model.init_args.objective.init_args.clip_range=0"),
+        capfd,
+    )
+    assert "--model.objective.init_args.clip_range (0.0) must lie in (0, 1)" in text
+    assert text.count("clip_range (0.0)") == 1
