@@ -8,13 +8,14 @@ LoRA goes through the adapter API that every diffusers model class here already 
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lit_flowgrpo.policies.base import FlowPolicy
 
@@ -170,6 +171,28 @@ class TrainableWeights:
             yield
         finally:
             policy._modules[name] = transformer
+
+    @staticmethod
+    def read_checkpoint(path: str, module: nn.Module, *, use_ema: bool = True) -> dict[str, Tensor]:
+        """The trainable tensors of ``module`` in a checkpoint written by ``fit`` (a file, or the folder
+        of a sharded run), with its EMA weights in their place when present and ``use_ema``."""
+        if os.path.isdir(path):
+            from lit_flowgrpo.strategies import read_sharded_checkpoint
+
+            ckpt = read_sharded_checkpoint(path, module)
+        else:
+            ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        state = dict(ckpt["state_dict"])
+        if use_ema:
+            for key, value in ckpt.get("callbacks", {}).items():
+                if "TrainableEMA" in key and isinstance(value, dict) and "ema_state_dict" in value:
+                    state.update(value["ema_state_dict"])
+        missing = {n for n, p in module.named_parameters() if p.requires_grad} - set(state)
+        if missing:
+            raise ValueError(
+                f"{path} lacks trainable tensors {sorted(missing)[:3]}…: use the run's own config"
+            )
+        return state
 
     def export(self, policy: FlowPolicy, path: str) -> str:
         """Write what was trained so the family's diffusers pipeline loads it; returns what was written.

@@ -40,8 +40,15 @@ from lit_flowgrpo.policies.base import FlowPolicy
 from lit_flowgrpo.rewards.base import MultiReward, RewardOutput, as_reward
 from lit_flowgrpo.rollout import Sampler, Trajectory
 from lit_flowgrpo.step_output import STAGES, StepOutput, ValidationOutput
-from lit_flowgrpo.strategies import read_sharded_checkpoint, strategy_problems
-from lit_flowgrpo.update import UpdateSettings, micro_step
+from lit_flowgrpo.strategies import strategy_problems
+from lit_flowgrpo.update import (
+    ON_POLICY_CAUSES,
+    IdleRollouts,
+    UpdateSettings,
+    clip_and_step,
+    load_balance,
+    micro_step,
+)
 
 __all__ = ["AdvantageSettings", "DiagnosticsSettings", "FlowGRPOModule", "LoraSettings", "UpdateSettings"]
 
@@ -129,7 +136,7 @@ class FlowGRPOModule(L.LightningModule):
         self.val_means = nn.ModuleDict()  # val/<component>/mean, created on first use
         self.val_unscored = nn.ModuleDict()  # val/<component>/unscored_count
         self._counters = {"skipped_optimizer_steps": 0, "nonfinite_losses": 0, "dropped_samples": 0}
-        self._idle_rollouts = 0
+        self._idle = IdleRollouts(self.advantage.max_idle_rollouts)
         self._configured = False
 
     @property
@@ -313,7 +320,9 @@ class FlowGRPOModule(L.LightningModule):
         # micro-batch count is the largest over ranks; a rank with fewer kept samples pads with
         # zero-weight ones.
         kept_per_rank = self._gather(torch.tensor([float(len(kept))], device=self.device)).tolist()
-        self._log_load([n * traj.num_trained for n in kept_per_rank])
+        self.log_dict(
+            load_balance([n * traj.num_trained for n in kept_per_rank]), on_step=True, on_epoch=False
+        )
         n_micro = math.ceil(max(kept_per_rank) / settings.micro_batch_size)
         applied = 0
         if n_micro and traj.num_trained:
@@ -369,7 +378,7 @@ class FlowGRPOModule(L.LightningModule):
                                 sqrt_dt=traj.sqrt_dt[idx[:live], j],
                             )
                     applied += self._optimizer_step(opt, sched)
-        self._check_progress(applied)
+        self._idle.observe(applied)
         return forwards
 
     def _on_policy_check(self, ratio: Tensor | None, tol: float) -> None:
@@ -378,57 +387,18 @@ class FlowGRPOModule(L.LightningModule):
         self.log("actor/on_policy_ratio_err", err, on_step=True, on_epoch=False)
         if err > tol:
             rank_zero_warn(
-                f"on-policy check: mean |ratio − 1| = {err:.3g} before any update (tolerance {tol:g}). The "
-                "update recomputes the rollout's log-probs with different numerics: usual causes are a "
-                "different batch size under bf16/TF32 (--model.sampler.batch_size vs "
-                "--model.update.micro_batch_size), dropout or other train-mode layers, CFG in the rollout "
-                "but not in the update (train_cfg=false), or non-deterministic kernels. Clipping treats "
-                "this error as policy change."
+                f"on-policy check: mean |ratio − 1| = {err:.3g} before any update (tolerance {tol:g}). {ON_POLICY_CAUSES}"
             )
 
     def _optimizer_step(self, opt: Any, sched: Any) -> int:
-        """Clip and step; returns 1 if the weights changed, 0 if the step was skipped."""
+        """Clip and step; returns 1 if the weights changed, 0 if a non-finite gradient skipped the step."""
         params = [p for p in self.parameters() if p.requires_grad and p.grad is not None]
-        max_norm = self.update.max_grad_norm if self.update.max_grad_norm is not None else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor under FSDP2
-        self._grad_norm = norm
-        opt_applied = math.isfinite(norm)
-        if opt_applied:
-            opt.step()
-        else:
-            # Never step on NaN: the weights stay as they were, the step is counted.
-            self._counters["skipped_optimizer_steps"] += 1
-            rank_zero_warn("non-finite gradient norm: optimizer step skipped, weights untouched")
-        opt.zero_grad(set_to_none=True)
-        if opt_applied and sched is not None:
-            sched.step()
-        return int(opt_applied)
-
-    def _check_progress(self, applied: int) -> None:
-        """A rollout that changes no weight does not advance ``max_steps``: never let a run spin."""
-        if applied:
-            self._idle_rollouts = 0
-            return
-        self._idle_rollouts += 1
-        limit = self.advantage.max_idle_rollouts
-        why = (
-            "every sample was unscored, filtered as zero-advantage, or every gradient was non-finite; "
-            "see critic/rewards/nonfinite_count, reward/failure_rate and actor/skipped_optimizer_steps"
-        )
-        if self._idle_rollouts >= limit:
-            raise RuntimeError(
-                f"{self._idle_rollouts} rollouts in a row made no optimizer step ({why}). Stopping: such a "
-                f"run never reaches max_steps (--model.advantage.max_idle_rollouts={limit})"
-            )
-        rank_zero_warn(f"this rollout made no optimizer step ({why})")
-
-    def _log_load(self, loads: list[float]) -> None:
-        """``global_load/*``: the update's work per rank, (sample, trained step) pairs after filtering,
-        the diffusion analogue of veRL's ``global_seqlen/*``."""
-        low, high = min(loads), max(loads)
-        values = {"min": low, "max": high, "mean": sum(loads) / len(loads), "minmax_diff": high - low}
-        self.log_dict({f"global_load/{k}": v for k, v in values.items()}, on_step=True, on_epoch=False)
+        self._grad_norm = clip_and_step(params, opt, sched, self.update.max_grad_norm)
+        if math.isfinite(self._grad_norm):
+            return 1
+        self._counters["skipped_optimizer_steps"] += 1
+        rank_zero_warn("non-finite gradient norm: optimizer step skipped, weights untouched")
+        return 0
 
     def _mean_over_ranks(self, x: Tensor) -> Tensor:
         if self.trainer.world_size == 1:
@@ -536,7 +506,7 @@ class FlowGRPOModule(L.LightningModule):
         checkpoint["lit_flowgrpo"] = {
             "trainable_keys": sorted(keys),
             "counters": dict(self._counters),
-            "idle_rollouts": self._idle_rollouts,
+            "idle_rollouts": self._idle.count,
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -550,28 +520,12 @@ class FlowGRPOModule(L.LightningModule):
             )
         ours = checkpoint.get("lit_flowgrpo", {})
         self._counters.update(ours.get("counters", {}))
-        self._idle_rollouts = ours.get("idle_rollouts", 0)
+        self._idle.count = ours.get("idle_rollouts", 0)
 
     def load_trainable_checkpoint(self, path: str, use_ema: bool = True) -> None:
         """Load a checkpoint's trainable weights (its EMA weights if present and ``use_ema``)."""
-        import os
-
         self.configure_model()
-        if os.path.isdir(path):
-            ckpt = read_sharded_checkpoint(path, self)
-        else:
-            ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        state = dict(ckpt["state_dict"])
-        if use_ema:
-            for key, value in ckpt.get("callbacks", {}).items():
-                if "TrainableEMA" in key and isinstance(value, dict) and "ema_state_dict" in value:
-                    state.update(value["ema_state_dict"])
-        missing = self._trainable_keys() - set(state)
-        if missing:
-            raise ValueError(
-                f"{path} lacks trainable tensors {sorted(missing)[:3]}…: use the run's own config"
-            )
-        self.load_state_dict(state, strict=False)
+        self.load_state_dict(self.weights.read_checkpoint(path, self, use_ema=use_ema), strict=False)
 
     def export(self, path: str) -> str:
         """Write what was trained for the family's diffusers pipeline: the LoRA adapter

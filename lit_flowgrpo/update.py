@@ -9,11 +9,13 @@ the loop visits and what one visit computes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lit_flowgrpo.algorithms import PolicyStats
@@ -22,7 +24,7 @@ from lit_flowgrpo.objective import Objective, ScoredStep
 from lit_flowgrpo.policies.base import Embeds, FlowPolicy, index_embeds
 from lit_flowgrpo.rollout import Trajectory
 
-__all__ = ["MicroStep", "UpdateSettings", "micro_step"]
+__all__ = ["IdleRollouts", "MicroStep", "UpdateSettings", "clip_and_step", "load_balance", "micro_step"]
 
 
 @dataclass
@@ -144,3 +146,60 @@ def micro_step(
     kl = objective.kl(scored, ref_mean[:live]).mean() if ref_mean is not None else zero
     loss = pg_loss + objective.kl_coef * kl
     return MicroStep(loss, pg_loss, kl, stats, step.log_prob.detach()[:live])
+
+
+def clip_and_step(params: list[Tensor], optimizer: Any, scheduler: Any, max_norm: float | None) -> float:
+    """Clip the gradients to ``max_norm`` (their global norm, also over FSDP2 shards), then step the
+    optimizer and scheduler, unless the norm is not finite: then the weights stay as they were.
+    Returns the norm (one host read per optimizer step, to decide)."""
+    limit = max_norm if max_norm is not None else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(params, limit) if params else torch.zeros(())
+    value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
+    if math.isfinite(value):
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return value
+
+
+@dataclass
+class IdleRollouts:
+    """Consecutive rollouts that changed no weight. Such rollouts do not advance ``max_steps``, so a
+    run of them would spin forever: stop after ``limit``."""
+
+    limit: int
+    count: int = 0
+
+    def observe(self, optimizer_steps: int) -> None:
+        if optimizer_steps:
+            self.count = 0
+            return
+        self.count += 1
+        why = (
+            "every sample was unscored, filtered as zero-advantage, or every gradient was non-finite; "
+            "see critic/rewards/nonfinite_count, reward/failure_rate and actor/skipped_optimizer_steps"
+        )
+        if self.count >= self.limit:
+            raise RuntimeError(
+                f"{self.count} rollouts in a row made no optimizer step ({why}). Stopping: such a run never "
+                f"reaches max_steps (--model.advantage.max_idle_rollouts={self.limit})"
+            )
+        rank_zero_warn(f"this rollout made no optimizer step ({why})")
+
+
+#: What usually moves the first ratio away from 1 (the on-policy check's warning).
+ON_POLICY_CAUSES = (
+    "The update recomputes the rollout's log-probs with different numerics: usual causes are a different "
+    "batch size under bf16/TF32 (--model.sampler.batch_size vs --model.update.micro_batch_size), dropout "
+    "or other train-mode layers, CFG in the rollout but not in the update (train_cfg=false), or "
+    "non-deterministic kernels. Clipping treats this error as policy change."
+)
+
+
+def load_balance(loads: list[float]) -> dict[str, float]:
+    """``global_load/*``: the update's work per rank, (sample, trained step) pairs after filtering,
+    the diffusion analogue of veRL's ``global_seqlen/*``."""
+    low, high = min(loads), max(loads)
+    values = {"min": low, "max": high, "mean": sum(loads) / len(loads), "minmax_diff": high - low}
+    return {f"global_load/{k}": v for k, v in values.items()}
