@@ -40,7 +40,7 @@ class QwenImagePolicy(PackedLatentPolicy):
         dtype: Weights' dtype; the step math stays fp32.
         true_cfg_scale: The family's CFG scale (Qwen-Image samples with 4), exposed as
             ``self.guidance_scale``. :meth:`velocity` uses the scale it is given (the training
-            loop's ``--model.guidance_scale``, 1 in an update without CFG): set both alike.
+            loop's ``--model.sampler.guidance_scale``, 1 in an update without CFG): set both alike.
         negative_prompt: The unconditional prompt (the pipeline's examples use " ").
         max_sequence_length: Prompt tokens kept after the template prefix (the pipeline's limit, 1024).
         prompt_cache_size: Prompts whose conditioning stays cached (least recently used dropped);
