@@ -497,13 +497,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except SettingsError as err:
         print(f"lit-flowgrpo: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    finally:
-        import torch.distributed as dist
+    from lit_flowgrpo.strategies import end_distributed_process
 
-        if dist.is_available() and dist.is_initialized():
-            # Lightning leaves the process group open; its threads torn down with the interpreter can
-            # abort a run that finished ("terminate called without an active exception").
-            dist.destroy_process_group()
+    end_distributed_process()  # a distributed run that finished exits 0, whatever gloo's teardown does
 
 
 if __name__ == "__main__":

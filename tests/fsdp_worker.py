@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,11 @@ from torch.distributed.tensor import DTensor
 from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
 from lit_flowgrpo.callbacks import RLThroughputMonitor, TrainableEMA
 from lit_flowgrpo.policies import SD3Policy
-from lit_flowgrpo.strategies import FSDP2Strategy, transformer_blocks  # also registers "fsdp2"
+from lit_flowgrpo.strategies import (  # also registers "fsdp2"
+    FSDP2Strategy,
+    end_distributed_process,
+    transformer_blocks,
+)
 
 
 def brightness(images, prompts, metadata):
@@ -148,12 +151,4 @@ def run(config: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     run(json.loads(Path(sys.argv[1]).read_text()))
-    if torch.distributed.is_initialized():
-        # Lightning leaves the process group open; gloo's threads can abort the exit otherwise.
-        torch.distributed.destroy_process_group()
-    # Everything this worker reports is on disk. Skip the interpreter's teardown: a gloo thread still
-    # being destroyed there aborts the process now and then ("terminate called without an active
-    # exception"), which would fail a run that succeeded.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_distributed_process()  # the results are on disk: no interpreter teardown to abort on

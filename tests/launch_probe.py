@@ -14,7 +14,7 @@ import lightning as L
 import torch
 from torch import nn
 
-import lit_flowgrpo.strategies  # noqa: F401  (registers "fsdp2")
+from lit_flowgrpo.strategies import end_distributed_process  # also registers "fsdp2"
 
 
 class Net(nn.Module):
@@ -79,4 +79,4 @@ if __name__ == "__main__":
         enable_model_summary=False,
     )
     trainer.fit(Probe(out))
-    torch.distributed.destroy_process_group()  # Lightning leaves it open
+    end_distributed_process()
