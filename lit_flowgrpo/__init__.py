@@ -18,6 +18,7 @@ _EXPORTS = {
     "FlowGRPOModule": "lit_flowgrpo.module",
     "FSDP2Strategy": "lit_flowgrpo.strategies",
     "GRPOGuard": "lit_flowgrpo.objective",
+    "GRPOGuardRatioNorm": "lit_flowgrpo.objective",
     "GroupSampler": "lit_flowgrpo.data",
     "LoraSettings": "lit_flowgrpo.lora",
     "Objective": "lit_flowgrpo.objective",
@@ -35,6 +36,7 @@ __all__ = [
     "FlowGRPO",
     "FlowGRPOModule",
     "GRPOGuard",
+    "GRPOGuardRatioNorm",
     "GroupSampler",
     "LoraSettings",
     "Objective",
@@ -51,7 +53,7 @@ if TYPE_CHECKING:
     from lit_flowgrpo.lora import LoraSettings
     from lit_flowgrpo.metrics import DiagnosticsSettings
     from lit_flowgrpo.module import FlowGRPOModule
-    from lit_flowgrpo.objective import FlowGRPO, GRPOGuard, Objective
+    from lit_flowgrpo.objective import FlowGRPO, GRPOGuard, GRPOGuardRatioNorm, Objective
     from lit_flowgrpo.performance import PerformanceSettings
     from lit_flowgrpo.rollout import Sampler
     from lit_flowgrpo.strategies import FSDP2Strategy

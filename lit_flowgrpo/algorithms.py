@@ -18,6 +18,7 @@ __all__ = [
     "group_advantages",
     "grpo_guard_loss",
     "kl_to_reference",
+    "ratio_norm_loss",
 ]
 
 
@@ -206,6 +207,67 @@ def grpo_guard_loss(
     return loss / sqrt_dt.mean() ** 2, stats  # cross-step gradient balancing: 1/|dt|
 
 
+def ratio_norm_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    *,
+    clip_range: float,
+    clip_range_high: float | None = None,
+    adv_clip_max: float = 5.0,
+    target_std: float,
+) -> tuple[Tensor, PolicyStats]:
+    """GRPO-Guard as its blog post describes it: ratios normalised per step, gradients balanced
+    across steps (the published code's form is :func:`grpo_guard_loss`).
+
+    Over the N samples of one denoising step, with r = exp(log p_θ − log p_old):
+
+    - **RatioNorm.** r̂ = 1 + (r − μ)·k with μ the mean of r and k = min(1, ``target_std``/σ), σ its
+      population std. The blog standardises to unit variance (k = 1/σ), which no clip range of
+      Flow-GRPO's size survives; here a step's ratios are re-centred on 1 and their spread is
+      brought down to ``target_std`` when it is wider, never blown up (on-policy, σ is 0 up to
+      rounding, and scaling it up would turn rounding noise into clipping).
+    - **Cross-step gradient balancing.** Each sample's term is weighted by w = 1/r̂, so that
+      w·∇r̂ = k·∇log r: every step contributes a log-ratio gradient of comparable size, whatever
+      its ratio. The blog normalises the weights to sum to one over a sample's steps
+      (w_t = (1/r̂_t)/Σ_k 1/r̂_k); the update visits one step per backward, so the sum is taken as
+      the number of steps, which the update's average over steps already divides by. That is
+      exact on-policy and off by |r̂ − 1| (at most about the clip range where a gradient flows)
+      otherwise.
+
+    μ, σ and w are constants of the backward (detached): the normalisation moves which samples the
+    clip catches and how much each counts, not the direction of their gradient.
+
+    Args:
+        log_prob: (N,) log p_θ of the recorded transitions (differentiable).
+        old_log_prob: (N,) log p_old recorded at rollout.
+        advantages: (N,) advantages.
+        clip_range: ε of the clip on r̂.
+        clip_range_high: ε_high; ``None`` uses ``clip_range``.
+        adv_clip_max: advantages are clipped to ±this.
+        target_std: the largest spread a step's ratios keep after normalisation.
+
+    Returns:
+        (scalar loss, :class:`PolicyStats`); ``ratio``/``log_ratio`` are r̂ and log r̂,
+        ``raw_log_ratio`` is log p_θ − log p_old.
+    """
+    _check_loss_args(log_prob, old_log_prob, advantages, clip_range, clip_range_high, adv_clip_max)
+    if not target_std > 0:
+        raise ValueError(f"target_std ({target_std}) must be > 0 (half the clip range is the default)")
+    adv = advantages.clamp(-adv_clip_max, adv_clip_max)
+    raw_log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(raw_log_ratio)
+    with torch.no_grad():
+        mean = ratio.mean()
+        std = ratio.std(correction=0) if ratio.numel() > 1 else torch.zeros_like(mean)
+        shrink = torch.clamp(target_std / std, max=1.0)  # 1 where std is 0 (target/0 = inf)
+    normed = 1.0 + (ratio - mean) * shrink
+    # r̂ > 0 needs target_std·√N < 1, which any clip-sized target meets; the floor only keeps a
+    # misconfigured run's weights finite.
+    weight = 1.0 / normed.detach().clamp_min(torch.finfo(normed.dtype).tiny)
+    return _clipped_surrogate(normed, torch.log(normed), raw_log_ratio, adv, clip_range, clip_range_high, weight)
+
+
 def kl_to_reference(
     prev_sample_mean: Tensor,
     ref_prev_sample_mean: Tensor,
@@ -254,12 +316,16 @@ def _clipped_surrogate(
     adv: Tensor,
     clip_range: float,
     clip_range_high: float | None,
+    weight: Tensor | None = None,
 ) -> tuple[Tensor, PolicyStats]:
-    """PPO's pessimistic clipped objective (Schulman et al. 2017, Eq. 7) and its masks."""
+    """PPO's pessimistic clipped objective (Schulman et al. 2017, Eq. 7) and its masks; ``weight``
+    (N,), detached, scales each sample's term."""
     high = clip_range if clip_range_high is None else clip_range_high
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + high)
     pg_loss = torch.maximum(unclipped, clipped)  # (N,)
+    if weight is not None:
+        pg_loss = pg_loss * weight
     with torch.no_grad():
         outside_high = ratio > 1.0 + high
         outside_low = ratio < 1.0 - clip_range

@@ -19,9 +19,16 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
-from lit_flowgrpo.algorithms import PolicyStats, flow_grpo_loss, grpo_guard_loss, kl_to_reference
+from lit_flowgrpo.algorithms import PolicyStats, flow_grpo_loss, grpo_guard_loss, kl_to_reference, ratio_norm_loss
 
-__all__ = ["FlowGRPO", "GRPOGuard", "Objective", "ScoredStep", "available_objectives", "build_objective"]
+__all__ = [
+    "FlowGRPO",
+    "GRPOGuard",
+    "GRPOGuardRatioNorm",
+    "Objective", "ScoredStep",
+    "available_objectives",
+    "build_objective",
+]
 
 _REGISTRY: dict[str, type[Objective]] = {}
 
@@ -185,6 +192,71 @@ class GRPOGuard(Objective):
             clip_range_high=self.clip_range_high,
             adv_clip_max=self.adv_clip_max,
         )
+
+
+class GRPOGuardRatioNorm(Objective):
+    """GRPO-Guard as its blog post describes it (:func:`~lit_flowgrpo.algorithms.ratio_norm_loss`):
+    the Flow-GRPO ratio of each step normalised over the batch, and each sample's steps weighted by
+    1/r̂. Needs no μ_old and works with any ``sde_type``.
+
+    Where it differs from :class:`GRPOGuard` (the published code's form): that one re-centres each
+    ratio analytically (it adds back the mean-shift term −|μ_θ − μ_old|²/(2s²), which needs μ_old)
+    and rescales the log-ratio by the step's transition std and the loss by 1/|dt|; this one
+    measures the centre and spread of the ratios it sees. What the blog leaves open and how it is
+    chosen here:
+
+    - the variance it normalises to: a step's spread is shrunk to ``target_std`` (default half the
+      clip range, so the clip bites at about two standard deviations on both sides), never
+      inflated: on-policy ratios are 1 up to rounding;
+    - whether the statistics and weights carry gradient: they do not (constants of the backward);
+    - the batch: the N live samples of one micro-batch at one step, what one backward sees.
+
+    Args:
+        clip_range: ε on r̂ (the Flow-GRPO unit: 1e-4 on SD3.5, 1e-3 on the shapes world).
+        target_std: the spread r̂ keeps at most; ``None``: ``clip_range / 2``.
+        (others as :class:`Objective`)
+    """
+
+    name = "grpo_guard_ratio_norm"
+
+    def __init__(
+        self,
+        clip_range: float = 1e-4,
+        clip_range_high: float | None = None,
+        adv_clip_max: float = 5.0,
+        kl_coef: float = 0.0,
+        kl_with_dt: bool = False,
+        target_std: float | None = None,
+    ) -> None:
+        super().__init__(clip_range, clip_range_high, adv_clip_max, kl_coef, kl_with_dt)
+        self.target_std = target_std
+
+    @property
+    def resolved_target_std(self) -> float:
+        return self.clip_range / 2 if self.target_std is None else self.target_std
+
+    def problems(self, sde_type: str, flag: str = "--model.objective") -> list[str]:
+        p = super().problems(sde_type, flag)
+        if self.target_std is not None and not 0 < self.target_std < 0.1:
+            p.append(
+                f"{flag}.init_args.target_std ({self.target_std}) must lie in (0, 0.1): it is a spread of "
+                "ratios around 1 of the clip range's size; null uses clip_range / 2"
+            )
+        return p
+
+    def policy_loss(self, scored: ScoredStep) -> tuple[Tensor, PolicyStats]:
+        return ratio_norm_loss(
+            scored.log_prob,
+            scored.old_log_prob,
+            scored.advantages,
+            clip_range=self.clip_range,
+            clip_range_high=self.clip_range_high,
+            adv_clip_max=self.adv_clip_max,
+            target_std=self.resolved_target_std,
+        )
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "target_std": self.target_std}
 
 
 def available_objectives() -> list[str]:
