@@ -265,7 +265,9 @@ def ratio_norm_loss(
     # r̂ > 0 needs target_std·√N < 1, which any clip-sized target meets; the floor only keeps a
     # misconfigured run's weights finite.
     weight = 1.0 / normed.detach().clamp_min(torch.finfo(normed.dtype).tiny)
-    return _clipped_surrogate(normed, torch.log(normed), raw_log_ratio, adv, clip_range, clip_range_high, weight)
+    return _clipped_surrogate(
+        normed, torch.log(normed), raw_log_ratio, adv, clip_range, clip_range_high, weight
+    )
 
 
 def kl_to_reference(

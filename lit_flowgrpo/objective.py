@@ -19,13 +19,20 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
-from lit_flowgrpo.algorithms import PolicyStats, flow_grpo_loss, grpo_guard_loss, kl_to_reference, ratio_norm_loss
+from lit_flowgrpo.algorithms import (
+    PolicyStats,
+    flow_grpo_loss,
+    grpo_guard_loss,
+    kl_to_reference,
+    ratio_norm_loss,
+)
 
 __all__ = [
     "FlowGRPO",
     "GRPOGuard",
     "GRPOGuardRatioNorm",
-    "Objective", "ScoredStep",
+    "Objective",
+    "ScoredStep",
     "available_objectives",
     "build_objective",
 ]

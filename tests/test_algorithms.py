@@ -7,7 +7,14 @@ import pytest
 import torch
 from torch.distributions import Normal, kl_divergence
 
-from lit_flowgrpo.algorithms import flow_grpo_loss, group_advantages, grpo_guard_loss, kl_to_reference
+from lit_flowgrpo.algorithms import (
+    flow_grpo_loss,
+    group_advantages,
+    grpo_guard_loss,
+    kl_to_reference,
+    ratio_norm_loss,
+)
+from lit_flowgrpo.objective import GRPOGuardRatioNorm, ScoredStep, build_objective
 from lit_flowgrpo.sde import sde_step_with_logprob
 
 # ----------------------------------------------------------------------------------------------
@@ -221,6 +228,95 @@ def test_grpo_guard_log_ratio_identity() -> None:
 # ----------------------------------------------------------------------------------------------
 # KL to the reference
 # ----------------------------------------------------------------------------------------------
+
+
+# ----------------------------------------------------------------------------------------------
+# GRPO-Guard, the blog's form (RatioNorm over the batch, 1/r̂ step weights)
+# ----------------------------------------------------------------------------------------------
+
+
+def _numpy_ratio_norm(log_prob, old, adv, eps, target):
+    """The blog form written out in float64: r̂, the per-sample loss and d loss / d log_prob."""
+    r = np.exp(log_prob - old)
+    k = min(1.0, target / r.std()) if r.std() > 0 else 1.0
+    r_hat = 1.0 + (r - r.mean()) * k
+    a = np.clip(adv, -5.0, 5.0)
+    per = np.maximum(-a * r_hat, -a * np.clip(r_hat, 1 - eps, 1 + eps)) / r_hat
+    clipped = ((a > 0) & (r_hat > 1 + eps)) | ((a < 0) & (r_hat < 1 - eps))
+    # loss = mean(per); the unclipped term's gradient through r̂ = 1 + (r − μ̄)k with μ̄, k and
+    # the weight 1/r̂ held constant: d/d log_prob = −a·k·r/r̂ / N.
+    grad = np.where(clipped, 0.0, -a * k * r / r_hat) / len(r)
+    return r_hat, per, grad
+
+
+@pytest.mark.parametrize("spread", [0.05, 1e-5])  # wider than the target (shrunk), narrower (re-centred only)
+def test_ratio_norm_loss_matches_numpy(spread: float) -> None:
+    rng = np.random.default_rng(3)
+    n, eps, target = 16, 1e-3, 5e-4
+    old = rng.normal(size=n)
+    log_prob = old + spread * rng.normal(size=n) - 3 * spread  # off-policy, centred below 0 like Flow-GRPO's
+    adv = rng.normal(size=n) * 2
+    x = torch.tensor(log_prob, dtype=torch.float64, requires_grad=True)
+    loss, stats = ratio_norm_loss(x, torch.tensor(old), torch.tensor(adv), clip_range=eps, target_std=target)
+    loss.backward()
+    r_hat, per, grad = _numpy_ratio_norm(log_prob, old, adv, eps, target)
+    np.testing.assert_allclose(stats.ratio.numpy(), r_hat, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(stats.pg_loss.numpy(), per, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(x.grad.numpy(), grad, rtol=1e-10, atol=1e-15)
+    assert stats.ratio.mean().item() == pytest.approx(1.0, abs=1e-12)  # re-centred on 1
+    expected_std = target if spread == 0.05 else np.exp(log_prob - old).std()
+    assert stats.ratio.std(correction=0).item() == pytest.approx(expected_std, rel=1e-9)
+    torch.testing.assert_close(stats.raw_log_ratio, torch.tensor(log_prob - old))
+    if spread == 0.05:
+        # Flow-GRPO's raw ratios all sit below 1 − ε here; normalised, the clip (ε = 2·target) catches
+        # exactly the samples more than two standard deviations out, on either side.
+        _, raw_stats = flow_grpo_loss(
+            torch.tensor(log_prob), torch.tensor(old), torch.tensor(adv), clip_range=eps
+        )
+        assert bool(raw_stats.outside_low.all()) and not bool(raw_stats.outside_high.any())
+        r = np.exp(log_prob - old)
+        z = (r - r.mean()) / r.std()
+        np.testing.assert_array_equal(stats.outside_high.numpy(), z > 2)
+        np.testing.assert_array_equal(stats.outside_low.numpy(), z < -2)
+
+
+def test_ratio_norm_loss_on_policy_is_flow_grpo() -> None:
+    """On-policy every ratio is 1: no normalisation, weights 1, the same loss and gradient as
+    Flow-GRPO's (so the blog form differs only where the update is off-policy)."""
+    gen = torch.Generator().manual_seed(4)
+    log_prob = torch.randn(8, generator=gen, dtype=torch.float64)
+    adv = torch.randn(8, generator=gen, dtype=torch.float64)
+    grads, losses = [], []
+    for fn, kw in ((ratio_norm_loss, {"target_std": 5e-5}), (flow_grpo_loss, {})):
+        x = log_prob.clone().requires_grad_(True)
+        loss, _ = fn(x, log_prob, adv, clip_range=1e-4, **kw)
+        loss.backward()
+        grads.append(x.grad)
+        losses.append(loss.detach())
+    assert torch.equal(losses[0], losses[1])
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_ratio_norm_objective_settings_and_problems() -> None:
+    objective = build_objective("grpo_guard_ratio_norm", clip_range=1e-3)
+    assert isinstance(objective, GRPOGuardRatioNorm)
+    assert objective.resolved_target_std == 5e-4
+    assert objective.settings()["target_std"] is None
+    assert objective.problems("cps") == []  # needs no μ_old, any step type
+    assert "target_std (0.5)" in " ".join(GRPOGuardRatioNorm(target_std=0.5).problems("sde"))
+    scored = ScoredStep(
+        log_prob=torch.zeros(3),
+        old_log_prob=torch.zeros(3),
+        advantages=torch.tensor([1.0, -1.0, 0.0]),
+        prev_sample_mean=torch.zeros(3, 2),
+        old_prev_sample_mean=None,
+        std_dev_t=torch.ones(3),
+        sqrt_dt=torch.ones(3),
+    )
+    loss, stats = objective.policy_loss(scored)
+    assert loss.item() == 0.0 and torch.equal(stats.ratio, torch.ones(3))
+    with pytest.raises(ValueError, match="target_std"):
+        ratio_norm_loss(torch.zeros(2), torch.zeros(2), torch.zeros(2), clip_range=1e-3, target_std=0.0)
 
 
 def test_kl_to_reference_matches_gaussian_kl() -> None:

@@ -16,6 +16,7 @@ from lit_flowgrpo import (
     FlowGRPO,
     FlowGRPOModule,
     GRPOGuard,
+    GRPOGuardRatioNorm,
     LoraSettings,
     PromptDataModule,
     Sampler,
@@ -292,11 +293,12 @@ def test_nonfinite_gradient_skips_the_step(tiny_sd3_path, prompt_file, tmp_path)
     assert row["actor/skipped_optimizer_steps"] == 2
 
 
-def test_grpo_guard_and_window_run(tiny_sd3_path, prompt_file, tmp_path):
+@pytest.mark.parametrize(("objective_class", "clip_range"), [(GRPOGuard, 2e-6), (GRPOGuardRatioNorm, 1e-3)])
+def test_grpo_guard_and_window_run(objective_class, clip_range, tiny_sd3_path, prompt_file, tmp_path):
     module = make_module(
         tiny_sd3_path,
-        objective_class=GRPOGuard,
-        clip_range=2e-6,
+        objective_class=objective_class,
+        clip_range=clip_range,
         sde_window_size=2,
         sde_window_range=(0, 3),
         kl_coef=0.0,
