@@ -8,6 +8,8 @@ of unseen prompts), over rollout batches, one colour per run:
     python examples/plot_learning_curves.py runs/quickstart runs/quickstart_guard
 
 Each argument is a run folder holding a CSVLogger ``metrics.csv`` (the newest one below it is used).
+Runs given the same ``--labels`` entry (seeds of one algorithm) share a colour: each is drawn thin,
+their mean thick.
 The picture goes next to the first run's ``metrics.csv`` unless ``--out`` says where.
 Needs matplotlib (``pip install 'lit-flowgrpo[plot]'``).
 """
@@ -36,6 +38,12 @@ def read_series(run: Path, key: str) -> tuple[list[int], list[float]]:
     return steps, values
 
 
+def _smoothed(steps: list[int], values: list[float], k: int) -> tuple[list[int], list[float]]:
+    """Trailing moving average over ``k`` points."""
+    k = max(1, min(k, len(values)))
+    return steps[k - 1 :], [sum(values[i - k + 1 : i + 1]) / k for i in range(k - 1, len(values))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run folders (one per algorithm)")
@@ -59,16 +67,21 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     labels = opts.labels or [r.name for r in opts.runs]
+    if len(labels) != len(opts.runs):
+        raise SystemExit(f"--labels gives {len(labels)} labels for {len(opts.runs)} runs")
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for run, label, colour in zip(
-        opts.runs, labels, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False
-    ):
-        steps, values = read_series(run, opts.proxy)
-        k = max(1, min(opts.smooth, len(values)))
-        averaged = [sum(values[i - k + 1 : i + 1]) / k for i in range(k - 1, len(values))]
-        axes[0].plot(steps[k - 1 :], averaged, color=colour, alpha=0.8, label=label)
-        steps, values = read_series(run, opts.heldout)
-        axes[1].plot(steps, values, "o-", color=colour, label=label)
+    for i, label in enumerate(dict.fromkeys(labels)):
+        group = [run for run, name in zip(opts.runs, labels, strict=True) if name == label]
+        colour = colours[i % len(colours)]
+        for ax, key, smooth in ((axes[0], opts.proxy, opts.smooth), (axes[1], opts.heldout, 1)):
+            curves = [_smoothed(*read_series(run, key), smooth) for run in group]
+            for steps, values in curves if len(curves) > 1 else []:
+                ax.plot(steps, values, color=colour, alpha=0.25, linewidth=0.8)
+            common = sorted(set.intersection(*(set(steps) for steps, _ in curves)))
+            mean = [sum(dict(zip(*c))[s] for c in curves) / len(curves) for s in common]
+            name = f"{label} (mean of {len(curves)})" if len(curves) > 1 else label
+            ax.plot(common, mean, "-" if ax is axes[0] else "o-", color=colour, linewidth=2, label=name)
     window = f", mean of {opts.smooth}" if opts.smooth > 1 else ""
     axes[0].set_title(f"proxy: training reward (rollouts, strict{window})")
     axes[1].set_title("held-out strict accuracy (ODE samples)")
