@@ -46,6 +46,10 @@ def test_shortened_quickstart(config, tmp_path, capsys):
     out = capsys.readouterr().out
     line = re.search(r"held-out strict accuracy: (\d\.\d{3}) -> (\d\.\d{3})", out)
     assert line, out[-2000:]
+    # Each validation prints its line as it ends: the base first, then the one after the rollout.
+    steps = re.findall(r"held-out strict accuracy (of the base model|after 1 rollout): (\d\.\d{3})\n", out)
+    assert [when for when, _ in steps] == ["of the base model", "after 1 rollout"], out[-2000:]
+    assert (steps[0][1], steps[-1][1]) == line.groups()
     (metrics,) = tmp_path.glob("*/version_0/metrics.csv")
     with open(metrics) as f:
         rows = list(csv.DictReader(f))
