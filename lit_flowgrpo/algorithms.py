@@ -263,10 +263,10 @@ def ratio_norm_loss(
         shrink = torch.clamp(target_std / std, max=1.0)  # 1 where std is 0 (target/0 = inf)
     normed = 1.0 + (ratio - mean) * shrink
     # r̂ > 0 needs target_std·√N < 1, which any clip-sized target meets; the floor only keeps a
-    # misconfigured run's weights finite.
-    weight = 1.0 / normed.detach().clamp_min(torch.finfo(normed.dtype).tiny)
+    # misconfigured run's weights and log-ratios finite.
+    floor = normed.detach().clamp_min(torch.finfo(normed.dtype).tiny)
     return _clipped_surrogate(
-        normed, torch.log(normed), raw_log_ratio, adv, clip_range, clip_range_high, weight
+        normed, torch.log(floor), raw_log_ratio, adv, clip_range, clip_range_high, 1.0 / floor
     )
 
 
