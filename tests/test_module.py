@@ -318,15 +318,17 @@ def test_validation_logs_reward_components(tiny_sd3_path, prompt_file, tmp_path)
     trainer = make_trainer(tmp_path, max_steps=1, limit_val_batches=None)
     data = make_data(prompt_file)
     trainer.validate(module, datamodule=data)
-    row = next(r for r in logged(trainer) if "val/reward/mean" in r)
+    row = next(r for r in logged(trainer) if "val-aux/reward/mean@1" in r)
     # The same deterministic ODE samples, scored again: the logged mean is their brightness.
     batches = list(data.val_dataloader())
     with torch.no_grad():
         want = torch.cat(
             [brightness(module.sampler.evaluate(module.policy, b.prompts, b.seeds), [], []) for b in batches]
         )
-    assert row["val/reward/mean"] == pytest.approx(float(want.double().mean()), rel=1e-6)
-    assert row["val/reward/unscored_count"] == 0
+    # A plain callable declares no core component: its score is auxiliary.
+    assert row["val-aux/reward/mean@1"] == pytest.approx(float(want.double().mean()), rel=1e-6)
+    assert row["val-aux/reward/unscored_count"] == 0
+    assert not any(k.startswith(("val/", "val-core/")) for k in row)
 
 
 # ---------------------------------------------------------------------------------------------------
