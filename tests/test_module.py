@@ -365,6 +365,17 @@ def test_unknown_reward_name(tiny_sd3_path):
         make_module(tiny_sd3_path, reward={"no_such_reward": 1.0})
 
 
+def test_bad_core_components_declaration_is_a_settings_problem(tiny_sd3_path):
+    class Strict:
+        core_components = "strict"  # a string, not a tuple of names
+
+        def __call__(self, images, prompts, metadata):
+            return {"strict": torch.zeros(len(prompts))}
+
+    with pytest.raises(ValueError, match=r"invalid FlowGRPOModule settings:\n .*core_components is 'strict'"):
+        make_module(tiny_sd3_path, reward=Strict())
+
+
 def test_missing_model_path(tmp_path):
     with pytest.raises(ValueError, match=r"--model.policy.init_args.pretrained .* does not exist"):
         make_module(str(tmp_path / "nope" / "sd3"))
