@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", type=Path, help="run folders (one per algorithm)")
     parser.add_argument("--labels", nargs="*", help="legend labels (default: folder names)")
     parser.add_argument("--proxy", default="critic/rewards/shapes/strict/mean", help="training-reward key")
-    parser.add_argument("--heldout", default="val/shapes/strict/mean", help="held-out key")
+    parser.add_argument("--heldout", default="val-core/shapes/strict/mean@1", help="held-out key")
     parser.add_argument(
         "--smooth", type=int, default=5, help="moving average of the proxy over this many rollouts"
     )

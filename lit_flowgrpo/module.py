@@ -133,8 +133,8 @@ class FlowGRPOModule(L.LightningModule):
             num_steps=self.sampler.num_steps,
             **dataclasses.asdict(self.diagnostics),
         )
-        self.val_means = nn.ModuleDict()  # val/<component>/mean, created on first use
-        self.val_unscored = nn.ModuleDict()  # val/<component>/unscored_count
+        self.val_means = nn.ModuleDict()  # val-{core,aux}/<component>/mean@1, created on first use
+        self.val_unscored = nn.ModuleDict()  # val-aux/<component>/unscored_count
         self._counters = {"skipped_optimizer_steps": 0, "nonfinite_losses": 0, "dropped_samples": 0}
         self._idle = IdleRollouts(self.advantage.max_idle_rollouts)
         self._configured = False
@@ -153,6 +153,10 @@ class FlowGRPOModule(L.LightningModule):
         weights = getattr(self.reward, "weights", None)
         if isinstance(weights, dict) and weights and not any(weights.values()):
             p.append(f"--model.reward.weights are all 0 ({weights}): the reward is 0 by construction")
+        try:
+            _ = self.reward.core_components  # checks each reward's declaration
+        except TypeError as err:
+            p.append(str(err))
         if self.sampler.guidance_scale > 1 and not self.update.train_cfg:
             rank_zero_warn(
                 f"--model.update.train_cfg=false with guidance_scale={self.sampler.guidance_scale}: the update "
@@ -460,15 +464,12 @@ class FlowGRPOModule(L.LightningModule):
             values = values.to(self.device)
             self.val_means[key].update(values)
             self.val_unscored[key].update((~torch.isfinite(values)).float())
+            # The reward declares which components are accuracy (val-core/) and which are not (val-aux/).
+            mean_key, unscored_key = self.reward.validation_keys(name)
             # Name the attributes: Lightning's lookup of metric attributes is cached at the first log.
             log = dict(on_step=False, on_epoch=True)
-            self.log(f"val/{name}/mean", self.val_means[key], metric_attribute=f"val_means.{key}", **log)
-            self.log(
-                f"val/{name}/unscored_count",
-                self.val_unscored[key],
-                metric_attribute=f"val_unscored.{key}",
-                **log,
-            )
+            self.log(mean_key, self.val_means[key], metric_attribute=f"val_means.{key}", **log)
+            self.log(unscored_key, self.val_unscored[key], metric_attribute=f"val_unscored.{key}", **log)
         return ValidationOutput(
             images=images.detach(), prompts=list(batch.prompts), rewards=rewards.components
         )

@@ -34,8 +34,8 @@ EXPECTED = [
         f"perf/{s}"
         for s in ("throughput", "time_per_step", "total_num_images", "mfu/actor_infer", "mfu/actor")
     ),
-    "val/jpeg_compressibility/mean",
-    "val/jpeg_compressibility/unscored_count",
+    "val-aux/jpeg_compressibility/mean@1",
+    "val-aux/jpeg_compressibility/unscored_count",
     *(f"global_load/{s}" for s in ("min", "max", "mean", "minmax_diff")),
 ]
 

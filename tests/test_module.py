@@ -320,15 +320,17 @@ def test_validation_logs_reward_components(tiny_sd3_path, prompt_file, tmp_path)
     trainer = make_trainer(tmp_path, max_steps=1, limit_val_batches=None)
     data = make_data(prompt_file)
     trainer.validate(module, datamodule=data)
-    row = next(r for r in logged(trainer) if "val/reward/mean" in r)
+    row = next(r for r in logged(trainer) if "val-aux/reward/mean@1" in r)
     # The same deterministic ODE samples, scored again: the logged mean is their brightness.
     batches = list(data.val_dataloader())
     with torch.no_grad():
         want = torch.cat(
             [brightness(module.sampler.evaluate(module.policy, b.prompts, b.seeds), [], []) for b in batches]
         )
-    assert row["val/reward/mean"] == pytest.approx(float(want.double().mean()), rel=1e-6)
-    assert row["val/reward/unscored_count"] == 0
+    # A plain callable declares no core component: its score is auxiliary.
+    assert row["val-aux/reward/mean@1"] == pytest.approx(float(want.double().mean()), rel=1e-6)
+    assert row["val-aux/reward/unscored_count"] == 0
+    assert not any(k.startswith(("val/", "val-core/")) for k in row)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -363,6 +365,17 @@ def test_unknown_reward_name(tiny_sd3_path):
         ValueError, match=r"--model.reward.weights names unregistered rewards \['no_such_reward'\]"
     ):
         make_module(tiny_sd3_path, reward={"no_such_reward": 1.0})
+
+
+def test_bad_core_components_declaration_is_a_settings_problem(tiny_sd3_path):
+    class Strict:
+        core_components = "strict"  # a string, not a tuple of names
+
+        def __call__(self, images, prompts, metadata):
+            return {"strict": torch.zeros(len(prompts))}
+
+    with pytest.raises(ValueError, match=r"invalid FlowGRPOModule settings:\n .*core_components is 'strict'"):
+        make_module(tiny_sd3_path, reward=Strict())
 
 
 def test_missing_model_path(tmp_path):

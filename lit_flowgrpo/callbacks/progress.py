@@ -15,6 +15,9 @@ from lit_flowgrpo.callbacks._module import optimizer_steps_per_rollout
 
 __all__ = ["RolloutProgressBar"]
 
+# How the validation means are named (MultiReward.validation_keys).
+_CORE, _AUX, _MEAN = "val-core/", "val-aux/", "/mean@1"
+
 
 class RolloutProgressBar(TQDMProgressBar):
     """Lightning's TQDM bar, counting rollout batches against the rollouts the run will take.
@@ -30,14 +33,16 @@ class RolloutProgressBar(TQDMProgressBar):
     Without ``max_steps`` or a module that says how many steps a rollout takes, it is Lightning's bar.
 
     Beside the count: ``reward`` (``reward_key``, the last rollout's mean reward) and the last
-    validation score(s), each ``val/<name>/mean`` shown as ``val/<name>``.
+    validation score(s), each ``val-core/<name>/mean@1`` shown as ``val/<name>`` (the
+    ``val-aux/<name>/mean@1`` scores instead when the reward has no core component).
 
     Args:
         refresh_rate: redraw every this many rollouts (Lightning's ``TQDMProgressBar``).
         process_position: the bar's line, for several trainers at once (Lightning's).
         leave: keep each epoch's finished bar on screen (Lightning's).
         reward_key: the logged metric shown as ``reward``.
-        val_key: the validation metric shown; None shows every ``val/<name>/mean`` logged.
+        val_key: the validation metric shown; None shows every ``val-core/<name>/mean@1`` logged,
+            or every ``val-aux/<name>/mean@1`` when there is none.
     """
 
     def __init__(
@@ -109,9 +114,11 @@ class RolloutProgressBar(TQDMProgressBar):
         if self.reward_key in metrics:
             scores["reward"] = float(metrics[self.reward_key])
         if self.val_key is None:
-            val_keys = [k for k in metrics if k.startswith("val/") and k.endswith("/mean")]
+            means = [k for k in metrics if k.endswith(_MEAN)]
+            val_keys = [k for k in means if k.startswith(_CORE)] or [k for k in means if k.startswith(_AUX)]
         else:
             val_keys = [self.val_key] if self.val_key in metrics else []
         for key in val_keys:
-            scores[key.removesuffix("/mean")] = float(metrics[key])
+            name = key.removeprefix(_CORE).removeprefix(_AUX).removesuffix(_MEAN)
+            scores[f"val/{name}"] = float(metrics[key])
         return scores

@@ -7,6 +7,10 @@ is never turned into a number here, and the module drops it from the advantage c
 Optional attributes a reward may carry:
 
 - ``primary``: for a dict-valued reward, the component that a bare weight applies to;
+- ``core_components``: a tuple of the components that measure accuracy (the fraction of prompts
+  done right: GenEval's ``strict``, OCR's text accuracy), whose validation mean is logged under
+  ``val-core/``; every other component goes under ``val-aux/``. Dict keys for a dict-valued reward,
+  ``None`` for the one value of a Tensor-valued reward. Without it every component is auxiliary;
 - ``required_metadata``: metadata keys every sample must carry (checked before the first rollout);
 - ``check()``: a start-up check (a remote endpoint answers), called once before the first rollout;
 - ``problems(records) -> list[str]``: what is wrong with the prompt records (train and val) for this
@@ -199,6 +203,30 @@ class MultiReward:
     def required_metadata(self) -> dict[str, tuple[str, ...]]:
         return {n: tuple(getattr(r, "required_metadata", ())) for n, r in self.rewards.items()}
 
+    @property
+    def core_components(self) -> frozenset[str]:
+        """The keys of :attr:`RewardOutput.components` that measure accuracy, as each reward declares
+        them in its ``core_components`` (a reward that declares none has no core component).
+
+        Raises:
+            TypeError: naming the reward, when its declaration is not a tuple of names.
+        """
+        return frozenset(
+            self._key(name, key)
+            for name, reward in self.rewards.items()
+            for key in _declared_core(name, reward)
+        )
+
+    def validation_keys(self, component: str) -> tuple[str, str]:
+        """The logged names of ``component``'s validation mean and of its unscored-sample count.
+
+        ``val-core/<component>/mean@1`` for a core component, ``val-aux/<component>/mean@1`` for any
+        other (veRL's split of the validation metrics), and ``val-aux/<component>/unscored_count``.
+        ``@1``: the score of one sample, averaged over every validation (prompt, seed) pair.
+        """
+        section = "val-core" if component in self.core_components else "val-aux"
+        return f"{section}/{component}/mean@1", f"val-aux/{component}/unscored_count"
+
     def check_metadata(self, metadata: Sequence[dict]) -> None:
         """Raise a ``ValueError`` naming the reward and the keys when a sample lacks required metadata."""
         for name, keys in self.required_metadata().items():
@@ -219,7 +247,14 @@ class MultiReward:
             start = time.perf_counter()
             value = reward(images, prompts, metadata)
             seconds = time.perf_counter() - start
-            return name, self._components(name, reward, value, batch), seconds
+            components = self._components(name, reward, value, batch)
+            missing = [key for key in _declared_core(name, reward) if self._key(name, key) not in components]
+            if missing:
+                raise ValueError(
+                    f"reward {name!r} ({_qualname(reward)}) declares core_components {missing} but returned "
+                    f"{sorted(components)}: declare components it returns (None for a Tensor-valued reward)"
+                )
+            return name, components, seconds
 
         items = list(self.rewards.items())
         if self.max_workers > 1 and len(items) > 1:
@@ -244,9 +279,13 @@ class MultiReward:
     def _components(self, name: str, reward: Reward, value: Any, batch: int) -> dict[str, Tensor]:
         """One reward's output as ``{name or name/component: (B,) fp32 CPU}``, its shape checked."""
         return {
-            name if key is None else f"{name}/{key}": tensor
+            self._key(name, key): tensor
             for key, tensor in checked_output(value, batch, f"reward {name!r} ({_qualname(reward)})").items()
         }
+
+    def _key(self, name: str, component: str | None) -> str:
+        """The key of one reward's component in :attr:`RewardOutput.components`."""
+        return name if component is None else f"{name}/{component}"
 
     def _total(self, components: dict[str, Tensor], batch: int) -> Tensor:
         total = torch.zeros(batch)
@@ -284,7 +323,10 @@ class CallableReward(MultiReward):
 
     def _components(self, name: str, reward: Reward, value: Any, batch: int) -> dict[str, Tensor]:
         found = checked_output(value, batch, f"reward {_qualname(reward)!r}")
-        return {name if key is None else key: tensor for key, tensor in found.items()}
+        return {self._key(name, key): tensor for key, tensor in found.items()}
+
+    def _key(self, name: str, component: str | None) -> str:
+        return name if component is None else component
 
     def _total(self, components: dict[str, Tensor], batch: int) -> Tensor:
         total = torch.zeros(batch)
@@ -350,6 +392,19 @@ def checked_output(value: Any, batch: int, label: str) -> dict[str | None, Tenso
             torch.isfinite(tensor), tensor, torch.nan
         )  # inf is a failure too, never a score
     return out
+
+
+def _declared_core(name: str, reward: Any) -> tuple[str | None, ...]:
+    """A reward's ``core_components``, checked: a bare string would otherwise iterate as letters."""
+    declared = getattr(reward, "core_components", ())
+    if not isinstance(declared, tuple | list | set | frozenset) or not all(
+        key is None or isinstance(key, str) for key in declared
+    ):
+        raise TypeError(
+            f"reward {name!r} ({_qualname(reward)}).core_components is {declared!r}: declare a tuple of "
+            "component names, e.g. ('strict',), or (None,) for a Tensor-valued reward"
+        )
+    return tuple(declared)
 
 
 def _qualname(reward: Any) -> str:

@@ -60,7 +60,8 @@ class GenEvalReward:
 
     Components: ``strict`` (all requirements met: 0/1) and ``partial`` (fraction met). ``primary``
     chooses which a bare ``geneval`` weight applies to; the other can be weighted as
-    ``geneval/partial`` or watched with weight 0.
+    ``geneval/partial`` or watched with weight 0. ``strict`` is the core component (the benchmark's
+    accuracy, logged under ``val-core/``), whichever is primary.
 
     Args:
         url: the server's URL (the published server listens on ``http://127.0.0.1:18085``).
@@ -81,6 +82,7 @@ class GenEvalReward:
         max_consecutive_failures: failed batches in a row before the run stops.
     """
 
+    core_components: tuple[str | None, ...] = ("strict",)  # GenEval's score, whichever is primary
     required_metadata: tuple[str, ...] = ("tag", "include")
 
     def __init__(

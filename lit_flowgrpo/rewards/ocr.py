@@ -120,10 +120,14 @@ def _resolve_engine(engine: str | OcrEngine) -> OcrEngine:
 class OCRReward:
     """Text-rendering accuracy of the quoted text in each prompt (Flow-GRPO's OCR task).
 
+    One value per image, the core (accuracy) component: logged as ``val-core/ocr/mean@1``.
+
     Args:
         engine: ``"rapidocr"`` (default; the ``ocr`` extra), ``"package.module:factory"``, or any
             callable ``engine(image) -> str``. Built on first use.
     """
+
+    core_components: tuple[str | None, ...] = (None,)  # the reward's one value is the accuracy
 
     def __init__(self, engine: str | OcrEngine = "rapidocr") -> None:
         if not callable(engine) and not isinstance(engine, str):

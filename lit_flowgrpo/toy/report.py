@@ -116,8 +116,10 @@ class HeldOutReport(L.Callback):
 
     @rank_zero_only
     def _log_base(self, trainer: L.Trainer, means: dict[str, float]) -> None:
+        reward = trainer.lightning_module.reward  # names the keys as the module's validation does
+        values = {reward.validation_keys(name)[0]: value for name, value in means.items()}
         for logger in trainer.loggers:
-            logger.log_metrics({f"val/{name}/mean": value for name, value in means.items()}, step=0)
+            logger.log_metrics(values, step=0)
 
     @rank_zero_only
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -5,7 +5,8 @@ A GenEval-style check with no learned parts: colour segmentation, connected comp
 classifier, exact counts and bounding-box relations (``lit_flowgrpo.toy.verifier`` has the rules
 and their sources). Components: ``strict`` (0/1: exactly the asked objects, in the asked colours
 and places, nothing else) and ``partial`` (the fraction of the prompt's conditions met, each extra
-object counting as a failed one). ``strict`` is the primary component.
+object counting as a failed one). ``strict`` is the primary component and the core one (the
+accuracy, logged under ``val-core/``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class ShapesReward:
     """
 
     primary = "strict"
+    core_components: tuple[str | None, ...] = ("strict",)  # held-out accuracy: val-core/shapes/strict/mean@1
     required_metadata: tuple[str, ...] = ("tag", "include")
 
     def __init__(

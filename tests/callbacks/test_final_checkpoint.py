@@ -103,9 +103,9 @@ def test_resume_from_the_final_checkpoint_is_exact(tmp_path: Path) -> None:
 
 def test_a_state_that_top_k_would_not_keep_is_still_written(tmp_path: Path) -> None:
     # ranks by a metric the module never logs, no `last`: ModelCheckpoint alone keeps nothing
-    fit(tmp_path / "lightning", 2, final=False, monitor="val/never/mean", save_last=False)
+    fit(tmp_path / "lightning", 2, final=False, monitor="val-core/never/mean@1", save_last=False)
     assert checkpoints(tmp_path / "lightning") == {}
-    fit(tmp_path / "final", 2, final=True, monitor="val/never/mean", save_last=False)
+    fit(tmp_path / "final", 2, final=True, monitor="val-core/never/mean@1", save_last=False)
     assert checkpoints(tmp_path / "final") == {"epoch=0-step=2.ckpt": 2}
 
 

@@ -15,14 +15,28 @@ from torch import Tensor
 
 from lit_flowgrpo.callbacks import FinalCheckpoint, RolloutProgressBar
 
+# What the module logs for a reward of GenEval (strict core, partial aux) and OCR (core).
+VAL_SCORES = {
+    "val-core/geneval/strict/mean@1": 0.5,
+    "val-aux/geneval/partial/mean@1": 0.75,
+    "val-aux/geneval/strict/unscored_count": 0.0,  # not a score: never shown
+    "val-core/ocr/mean@1": 0.125,
+}
+
 
 class Rollouts(StandIn):
     """Takes ``steps[i]`` optimizer steps in rollout i, logs a reward and a validation score, and
     records what the progress bar shows after each rollout."""
 
-    def __init__(self, steps: Sequence[int], steps_per_rollout: int | None = 2) -> None:
+    def __init__(
+        self,
+        steps: Sequence[int],
+        steps_per_rollout: int | None = 2,
+        val_scores: dict[str, float] | None = None,
+    ) -> None:
         super().__init__()
         self.steps = list(steps)
+        self.val_scores = VAL_SCORES if val_scores is None else val_scores
         if steps_per_rollout is not None:
             self.optimizer_steps_per_rollout = steps_per_rollout
         self.done = 0
@@ -37,9 +51,8 @@ class Rollouts(StandIn):
         return None
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> Any:
-        self.log("val/geneval/mean", 0.5)
-        self.log("val/ocr/mean", 0.125)
-        self.log("val/other", 1.0)  # not a `/mean` score: not shown
+        for key, value in self.val_scores.items():
+            self.log(key, value)
         return None
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -135,10 +148,24 @@ def test_reward_and_validation_score_beside_the_count(tmp_path: Path) -> None:
     assert model.postfix == [
         "reward=0.250",
         "reward=0.500",
-        "reward=0.750, val/geneval=0.500, val/ocr=0.125",
+        "reward=0.750, val/geneval/strict=0.500, val/ocr=0.125",
     ]
-    assert bar.get_metrics(bar.trainer, model) == {"reward": 0.75, "val/geneval": 0.5, "val/ocr": 0.125}
+    # the core scores only: the auxiliary partial score stays off the bar
+    assert bar.get_metrics(bar.trainer, model) == {
+        "reward": 0.75,
+        "val/geneval/strict": 0.5,
+        "val/ocr": 0.125,
+    }
 
-    model, bar = Rollouts([2, 2, 2]), RolloutProgressBar(reward_key="none", val_key="val/ocr/mean")
+    model, bar = (
+        Rollouts([2, 2, 2]),
+        RolloutProgressBar(reward_key="none", val_key="val-aux/geneval/partial/mean@1"),
+    )
     run(tmp_path, model, 6, bar)
-    assert model.postfix[-1] == "val/ocr=0.125"
+    assert model.postfix[-1] == "val/geneval/partial=0.750"
+
+    # a reward with no core component (a preference score): its auxiliary means are shown instead
+    scores = {"val-aux/pickscore/score/mean@1": 0.25, "val-aux/pickscore/unscored_count": 0.0}
+    model, bar = Rollouts([2, 2, 2], val_scores=scores), RolloutProgressBar(reward_key="none")
+    run(tmp_path, model, 6, bar)
+    assert model.postfix[-1] == "val/pickscore/score=0.250"

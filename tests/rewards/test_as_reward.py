@@ -134,3 +134,87 @@ def test_plugin_reward_unknown_names_the_import(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(ValueError, match="unknown reward 'nope'") as err:
         build_reward("nope")
     assert "lit_flowgrpo.toy" not in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Core (accuracy-like) components: declared by each reward, split into val-core/ and val-aux/
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_builtin_rewards_declare_their_accuracy_as_core() -> None:
+    import lit_flowgrpo.toy  # noqa: F401  (registers `shapes`)
+
+    multi = MultiReward(
+        {"shapes/partial": 1.0, "geneval": 0.0, "ocr": 0.0, "pickscore": 0.0, "jpeg_compressibility": 0.0},
+        config={"geneval": {"primary": "partial"}, "ocr": {"engine": lambda image: ""}},
+    )
+    # the weights name partial and primary components: the declaration, not the weight, makes a component core
+    assert multi.core_components == {"shapes/strict", "geneval/strict", "ocr"}
+    keys = {
+        name: multi.validation_keys(name)
+        for name in ("shapes/strict", "shapes/partial", "geneval/strict", "geneval/partial", "ocr")
+    }
+    assert keys == {
+        "shapes/strict": ("val-core/shapes/strict/mean@1", "val-aux/shapes/strict/unscored_count"),
+        "shapes/partial": ("val-aux/shapes/partial/mean@1", "val-aux/shapes/partial/unscored_count"),
+        "geneval/strict": ("val-core/geneval/strict/mean@1", "val-aux/geneval/strict/unscored_count"),
+        "geneval/partial": ("val-aux/geneval/partial/mean@1", "val-aux/geneval/partial/unscored_count"),
+        "ocr": ("val-core/ocr/mean@1", "val-aux/ocr/unscored_count"),
+    }
+    assert multi.validation_keys("pickscore/score")[0] == "val-aux/pickscore/score/mean@1"
+
+
+class Graded:
+    """A dict-valued reward whose ``acc`` component is its accuracy."""
+
+    core_components = ("acc",)
+
+    def __call__(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> dict[str, Tensor]:
+        return {"acc": torch.tensor([1.0, 0.0, 1.0, 1.0]), "margin": torch.rand(4)}
+
+
+class Exact:
+    """A Tensor-valued reward that is an accuracy: its one value is core."""
+
+    core_components = (None,)
+
+    def __call__(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+        return torch.ones(4)
+
+
+def test_core_declaration_passes_through_multireward_and_callables() -> None:
+    multi = MultiReward(
+        {"graded/acc": 1.0, "exact": 1.0, "bright": 0.0},
+        rewards={"graded": Graded(), "exact": Exact(), "bright": brightness},
+    )
+    out = multi(IMAGES, PROMPTS, META)
+    # keyed as the components are, so every logged component finds its section
+    assert multi.core_components == {"graded/acc", "exact"}
+    assert {multi.validation_keys(k)[0] for k in out.components} == {
+        "val-core/graded/acc/mean@1",
+        "val-core/exact/mean@1",
+        "val-aux/graded/margin/mean@1",
+        "val-aux/bright/mean@1",  # a plain callable declares nothing: auxiliary
+    }
+    # A bare callable keeps its own component names, and so does its declaration.
+    assert as_reward(Graded()).core_components == {"acc"}
+    assert as_reward(Exact()).core_components == {"reward"}
+    assert as_reward(brightness).core_components == frozenset()
+
+
+def test_bad_core_declarations_name_the_reward() -> None:
+    class Letters(Graded):
+        core_components = "acc"  # a string, not a tuple: would read as 'a', 'c', 'c'
+
+    with pytest.raises(
+        TypeError, match=r"reward 'mine' \(.*Letters\)\.core_components is 'acc': declare a tuple"
+    ):
+        _ = MultiReward({"mine": 1.0}, rewards={"mine": Letters()}).core_components
+
+    class Absent(Graded):
+        core_components = ("accuracy",)
+
+    with pytest.raises(
+        ValueError, match=r"reward 'mine' \(.*Absent\) declares core_components \['accuracy'\] but returned"
+    ):
+        MultiReward({"mine/acc": 1.0}, rewards={"mine": Absent()})(IMAGES, PROMPTS, META)

@@ -1,5 +1,6 @@
 """A shortened quickstart through the real CLI: it completes, validates before and after training,
-logs the validation keys, prints the accuracy line and writes the base-vs-tuned picture.
+logs the validation keys (strict accuracy under val-core/, the rest under val-aux/, with their values
+pinned), prints the accuracy line and writes the base-vs-tuned picture.
 
 The learning gain itself is measured by the full run (see configs/quickstart.yaml's header), not here.
 """
@@ -10,9 +11,12 @@ import csv
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from lit_flowgrpo.cli import FlowGRPOCLI
+from lit_flowgrpo.rewards.images import to_numpy_hwc
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,8 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("config", ["quickstart.yaml", "quickstart_guard.yaml"])
 def test_shortened_quickstart(config, tmp_path, capsys):
     # As short as the assertions allow: one rollout batch of one small group set between the two
-    # validations, each of 4 held-out prompts in one batch.
-    FlowGRPOCLI(
+    # validations, each of 8 held-out prompts in one batch (8: their strict and partial means differ).
+    cli = FlowGRPOCLI(
         args=[
             "fit",
             "--config",
@@ -35,9 +39,9 @@ def test_shortened_quickstart(config, tmp_path, capsys):
             f"--data.init_args.val={REPO / 'lit_flowgrpo/toy/assets/val.jsonl'}",
             "--data.init_args.prompts_per_step=2",
             "--data.init_args.group_size=4",
-            "--data.init_args.max_val_prompts=4",
+            "--data.init_args.max_val_prompts=8",
             "--data.init_args.val_seeds=1",
-            "--data.init_args.val_batch_size=4",
+            "--data.init_args.val_batch_size=8",
             # The configs' micro-batch (32) must divide the rollout batch: without this, one rollout
             # would need 32 samples, 4x the 8 used here.
             "--model.init_args.update.micro_batch_size=8",
@@ -53,19 +57,45 @@ def test_shortened_quickstart(config, tmp_path, capsys):
     (metrics,) = tmp_path.glob("*/version_0/metrics.csv")
     with open(metrics) as f:
         rows = list(csv.DictReader(f))
-    strict = [
-        (int(r["step"]), float(r["val/shapes/strict/mean"])) for r in rows if r.get("val/shapes/strict/mean")
-    ]
-    partial = [float(r["val/shapes/partial/mean"]) for r in rows if r.get("val/shapes/partial/mean")]
+    strict_key, partial_key = "val-core/shapes/strict/mean@1", "val-aux/shapes/partial/mean@1"
+    strict = [(int(r["step"]), float(r[strict_key])) for r in rows if r.get(strict_key)]
+    partial = [float(r[partial_key]) for r in rows if r.get(partial_key)]
+    # one name per value: the pre-split names are gone
+    assert not [k for k in rows[0] if k.startswith("val/")], rows[0].keys()
     # Two validations, in order: the base (logged at step 0 by HeldOutReport) and the one after the
     # rollout (Lightning logs it at the index of that batch, 0 too).
     assert [s for s, _ in strict] == [0, 0]
-    # 4 prompts × 1 seed of 0/1 scores: each strict mean is a multiple of 1/4. A sample that meets
+    # 8 prompts × 1 seed of 0/1 scores: each strict mean is a multiple of 1/8. A sample that meets
     # every condition scores 1 partial too, so the partial mean is never below the strict one.
-    assert all(4 * v == round(4 * v) for _, v in strict)
+    assert all(8 * v == round(8 * v) for _, v in strict)
     assert len(partial) == 2 and all(p >= s for p, (_, s) in zip(partial, strict, strict=True))
     # The printed line rounds to 3 decimals: within 5e-4 of the logged values.
     assert float(line.group(1)) == pytest.approx(strict[0][1], abs=5e-4)
     assert float(line.group(2)) == pytest.approx(strict[-1][1], abs=5e-4)
     assert any(r.get("critic/rewards/shapes/strict/mean") for r in rows)
+    # The module's validation (the base values at step 0 come from HeldOutReport, without counts).
+    (tuned,) = [r for r in rows if r.get("val-aux/shapes/strict/unscored_count")]
+    _check_validation(cli, tuned)
     assert (metrics.parent / "base_vs_tuned.png").is_file()
+
+
+def _check_validation(cli: FlowGRPOCLI, row: dict[str, str]) -> None:
+    """The module's validation keys and values: the tuned model's samples regenerated (the same
+    deterministic ODE and seeds), scored by the verifier, and averaged in numpy."""
+    module = cli.model
+    verifier = module.reward.rewards["shapes"].verifier
+    scores, unscored = [], 0
+    module.eval()  # as Lightning runs validation
+    with torch.no_grad(), module.performance.sampling_weights(module.policy.transformer):
+        for batch in cli.datamodule.val_dataloader():
+            images = module.sampler.evaluate(module.policy, list(batch.prompts), batch.seeds)
+            scores.append(np.stack(verifier.score_batch(to_numpy_hwc(images), list(batch.metadata))))
+            unscored += int((~torch.isfinite(images)).flatten(1).any(dim=1).sum())  # the reward's NaN
+    strict, partial = np.concatenate(scores, axis=1)  # (8,) each, float64
+    # The logged means are fp32 sums of 8 values in [0, 1] (one rounding each, 2^-24 relative) then a
+    # division: within 16 · 2^-24 < 1e-6 of the float64 mean.
+    assert float(row["val-core/shapes/strict/mean@1"]) == pytest.approx(np.mean(strict), rel=1e-6, abs=1e-7)
+    assert float(row["val-aux/shapes/partial/mean@1"]) == pytest.approx(np.mean(partial), rel=1e-6, abs=1e-7)
+    assert float(row["val-aux/shapes/strict/unscored_count"]) == unscored
+    assert float(row["val-aux/shapes/partial/unscored_count"]) == unscored
+    assert "val-core/shapes/partial/mean@1" not in row and "val-aux/shapes/strict/mean@1" not in row
