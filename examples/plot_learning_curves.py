@@ -79,7 +79,7 @@ def main() -> None:
             for steps, values in curves if len(curves) > 1 else []:
                 ax.plot(steps, values, color=colour, alpha=0.25, linewidth=0.8)
             common = sorted(set.intersection(*(set(steps) for steps, _ in curves)))
-            mean = [sum(dict(zip(*c))[s] for c in curves) / len(curves) for s in common]
+            mean = [sum(dict(zip(*c, strict=True))[s] for c in curves) / len(curves) for s in common]
             name = f"{label} (mean of {len(curves)})" if len(curves) > 1 else label
             ax.plot(common, mean, "-" if ax is axes[0] else "o-", color=colour, linewidth=2, label=name)
     window = f", mean of {opts.smooth}" if opts.smooth > 1 else ""
