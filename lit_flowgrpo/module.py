@@ -45,9 +45,12 @@ from lit_flowgrpo.update import (
     ON_POLICY_CAUSES,
     IdleRollouts,
     UpdateSettings,
+    balance_moves,
     clip_and_step,
     load_balance,
     micro_step,
+    receive_rows,
+    send_rows,
 )
 
 __all__ = ["AdvantageSettings", "DiagnosticsSettings", "FlowGRPOModule", "LoraSettings", "UpdateSettings"]
@@ -303,6 +306,48 @@ class FlowGRPOModule(L.LightningModule):
             return x
         return torch.cat(list(self.all_gather(x).unbind(0)), dim=-1)
 
+    def _balance(
+        self,
+        traj: Trajectory,
+        embeds: dict[str, Tensor],
+        advantages: Tensor,
+        sample_ids: Tensor,
+        kept: Tensor,
+        counts: list[int],
+    ) -> tuple[Trajectory, dict[str, Tensor], Tensor, Tensor, Tensor, list[int]]:
+        """``update.balance_load``: move kept samples between ranks so each trains ⌊K/R⌋ or ⌈K/R⌉."""
+        moves = balance_moves(counts)
+        after = list(counts)
+        for source, dest, n in moves:
+            after[source] -= n
+            after[dest] += n
+        self.log_dict(
+            {
+                "global_load/balanced_min": float(min(after) * traj.num_trained),
+                "global_load/balanced_max": float(max(after) * traj.num_trained),
+            },
+            on_step=True,
+            on_epoch=False,
+        )
+        if not moves:
+            return traj, embeds, advantages, sample_ids, kept, counts
+        fields = ["latents", "next_latents", "log_probs", "std_dev_t", "sqrt_dt", "final"]
+        if traj.prev_sample_means is not None:
+            fields.append("prev_sample_means")
+        rows = {f"traj.{name}": getattr(traj, name) for name in fields}
+        rows.update({f"embeds.{k}": v for k, v in embeds.items()})
+        rows.update(advantages=advantages, sample_ids=sample_ids)
+        flags = {name for name, t in rows.items() if t.dtype == torch.bool}  # collectives move numbers
+        rows = {name: t.to(torch.uint8) if name in flags else t for name, t in rows.items()}
+        blocks = send_rows(rows, kept, moves, self.global_rank)
+        gathered = {name: self.all_gather(block) for name, block in blocks.items()}  # (R, width, ...)
+        rows, n_kept = receive_rows(rows, kept, moves, self.global_rank, gathered)
+        rows = {name: t.bool() if name in flags else t for name, t in rows.items()}
+        traj = dataclasses.replace(traj, **{name: rows[f"traj.{name}"] for name in fields})
+        embeds = {k: rows[f"embeds.{k}"] for k in embeds}
+        kept = torch.arange(n_kept, device=kept.device)
+        return traj, embeds, rows["advantages"], rows["sample_ids"], kept, after
+
     def _update(
         self,
         traj: Trajectory,
@@ -327,6 +372,11 @@ class FlowGRPOModule(L.LightningModule):
         self.log_dict(
             load_balance([n * traj.num_trained for n in kept_per_rank]), on_step=True, on_epoch=False
         )
+        sample_ids = batch.sample_ids.to(self.device)  # once: a copy inside the loop would synchronise
+        if settings.balance_load and self.trainer.world_size > 1:
+            traj, embeds, advantages, sample_ids, kept, kept_per_rank = self._balance(
+                traj, embeds, advantages, sample_ids, kept, [int(n) for n in kept_per_rank]
+            )
         n_micro = math.ceil(max(kept_per_rank) / settings.micro_batch_size)
         applied = 0
         if n_micro and traj.num_trained:
@@ -336,7 +386,6 @@ class FlowGRPOModule(L.LightningModule):
                 fp32 = {transformer.dtype, self.performance.resolved_dtype(transformer)} == {torch.float32}
                 tol = 1e-6 if fp32 else 1e-3
             gen = torch.Generator().manual_seed(self.seed * 7_919 + batch.step)
-            sample_ids = batch.sample_ids.to(self.device)  # once: a copy inside the loop would synchronise
             first = True
 
             @contextmanager

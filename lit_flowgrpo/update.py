@@ -10,7 +10,7 @@ the loop visits and what one visit computes.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,17 @@ from lit_flowgrpo.objective import Objective, ScoredStep
 from lit_flowgrpo.policies.base import Embeds, FlowPolicy, index_embeds
 from lit_flowgrpo.rollout import Trajectory
 
-__all__ = ["IdleRollouts", "MicroStep", "UpdateSettings", "clip_and_step", "load_balance", "micro_step"]
+__all__ = [
+    "IdleRollouts",
+    "MicroStep",
+    "UpdateSettings",
+    "balance_moves",
+    "clip_and_step",
+    "load_balance",
+    "micro_step",
+    "receive_rows",
+    "send_rows",
+]
 
 
 @dataclass
@@ -42,6 +52,12 @@ class UpdateSettings:
         on_policy_tol: tolerance of the on-policy check, mean |ratio − 1| at the first micro-batch
             before any update; ``None``: 1e-6 when the transformer holds and computes fp32, 1e-3
             otherwise.
+        balance_load: before the update, move kept samples from the ranks that hold more to those
+            that hold fewer, so that every rank trains ⌊K/R⌋ or ⌈K/R⌉ of the K kept samples.
+            Dropped samples (zero advantage under ``advantage.filter_zero``, or no finite reward)
+            leave ranks uneven, and every rank runs as many micro-batch passes as the most loaded
+            one. The moved samples' trained latents, log-probs and prompt conditioning travel by
+            all-gather. No effect on one rank.
     """
 
     num_inner_epochs: int = 1
@@ -50,6 +66,7 @@ class UpdateSettings:
     train_cfg: bool = True
     max_grad_norm: float | None = 1.0
     on_policy_tol: float | None = None
+    balance_load: bool = False
 
     def problems(self, flag: str = "--model.update") -> list[str]:
         p = [
@@ -203,3 +220,73 @@ def load_balance(loads: list[float]) -> dict[str, float]:
     low, high = min(loads), max(loads)
     values = {"min": low, "max": high, "mean": sum(loads) / len(loads), "minmax_diff": high - low}
     return {f"global_load/{k}": v for k, v in values.items()}
+
+
+def balance_moves(counts: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(source, destination, n)`` moves that leave every rank with ⌊K/R⌋ or ⌈K/R⌉ of the K
+    samples ``counts`` holds. The ranks holding most keep the ⌈K/R⌉ places, so as few samples move
+    as possible; the moves are a pure function of ``counts``, the same on every rank."""
+    ranks, total = len(counts), sum(counts)
+    base, extra = divmod(total, ranks)
+    target = [base] * ranks
+    for r in sorted(range(ranks), key=lambda r: (-counts[r], r))[:extra]:
+        target[r] += 1
+    give = [[r, counts[r] - target[r]] for r in range(ranks) if counts[r] > target[r]]
+    take = [[r, target[r] - counts[r]] for r in range(ranks) if counts[r] < target[r]]
+    moves, i, j = [], 0, 0
+    while i < len(give) and j < len(take):
+        n = min(give[i][1], take[j][1])
+        moves.append((give[i][0], take[j][0], n))
+        give[i][1] -= n
+        take[j][1] -= n
+        i += give[i][1] == 0
+        j += take[j][1] == 0
+    return moves
+
+
+def send_rows(
+    rows: dict[str, Tensor], kept: Tensor, moves: list[tuple[int, int, int]], rank: int
+) -> dict[str, Tensor]:
+    """This rank's outgoing block of every per-sample tensor: its last kept samples that ``moves``
+    sends away, padded to the largest block any rank sends (an all-gather needs equal shapes)."""
+    width = max((sum(n for s, _, n in moves if s == r) for r in {s for s, _, _ in moves}), default=0)
+    mine = sum(n for s, _, n in moves if s == rank)
+    sent = kept[len(kept) - mine :]
+    out = {}
+    for name, t in rows.items():
+        block = t.new_zeros((width, *t.shape[1:]))
+        block[:mine] = t[sent]
+        out[name] = block
+    return out
+
+
+def receive_rows(
+    rows: dict[str, Tensor],
+    kept: Tensor,
+    moves: list[tuple[int, int, int]],
+    rank: int,
+    gathered: dict[str, Tensor],
+) -> tuple[dict[str, Tensor], int]:
+    """Every per-sample tensor after the moves, and how many leading rows are now this rank's kept
+    samples: the kept ones it did not send, then those it received (in source-rank order).
+
+    ``gathered[name]`` is (R, width, ...): every rank's :func:`send_rows` block. The rows that follow
+    the kept ones (this rank's dropped and sent samples) are only material for the update's padding
+    rows, whose loss is never counted; they keep every row count at least this rank's batch size.
+    """
+    mine = sum(n for s, _, n in moves if s == rank)
+    stay = kept[: len(kept) - mine]
+    rest = torch.ones(len(next(iter(rows.values()))), dtype=torch.bool, device=kept.device)
+    rest[stay] = False
+    offset: dict[int, int] = {}
+    pieces: list[tuple[int, int, int]] = []  # (source, start, n) of the blocks addressed here
+    for source, dest, n in moves:
+        start = offset.get(source, 0)
+        if dest == rank:
+            pieces.append((source, start, n))
+        offset[source] = start + n
+    out = {
+        name: torch.cat([t[stay], *(gathered[name][s, a : a + n] for s, a, n in pieces), t[rest]])
+        for name, t in rows.items()
+    }
+    return out, len(stay) + sum(n for _, _, n in pieces)

@@ -9,7 +9,15 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
+from lit_flowgrpo import (
+    AdvantageSettings,
+    FlowGRPO,
+    FlowGRPOModule,
+    LoraSettings,
+    PromptDataModule,
+    Sampler,
+    UpdateSettings,
+)
 from lit_flowgrpo.policies import SD3Policy
 
 
@@ -94,3 +102,86 @@ def test_ddp_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tmp_
     b = torch.load(tmp_path / "ddp" / "lora.pt")
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-3, atol=1e-5)
+
+
+def half_saturated(images, prompts, metadata):
+    """Even-numbered prompts score 1 whatever the image: their groups tie, their advantages are 0."""
+    bright = images.mean(dim=(1, 2, 3))
+    even = torch.tensor([int(p.split()[-1]) % 2 == 0 for p in prompts], device=bright.device)
+    return torch.where(even, torch.ones_like(bright), bright)
+
+
+class BalanceRecorder(FlowGRPOModule):
+    """Writes, per rank and step, the sample ids it kept, the ids it trained and the loads."""
+
+    def __init__(self, out: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.out = out
+        self._step = 0
+
+    def _write(self, name: str, value) -> None:
+        path = Path(self.out) / f"{name}_rank{self.global_rank}_step{self._step}.json"
+        path.write_text(json.dumps(value))
+
+    def _advantages(self, rewards, batch):
+        advantages, keep = super()._advantages(rewards, batch)
+        self._step = batch.step
+        self._write(
+            "kept", [int(s) for s, k in zip(batch.sample_ids.tolist(), keep.tolist(), strict=True) if k]
+        )
+        return advantages, keep
+
+    def _balance(self, traj, embeds, advantages, sample_ids, kept, counts):
+        out = super()._balance(traj, embeds, advantages, sample_ids, kept, counts)
+        self._write("loads", [counts, out[-1]])
+        self._write("trained", sorted(int(i) for i in out[3][out[4]].tolist()))
+        return out
+
+
+def run_balanced(path: str, prompts: str, out: Path) -> None:
+    out.mkdir()
+    module = BalanceRecorder(
+        out=str(out),
+        policy=SD3Policy(path, dtype="float32", max_sequence_length=16),
+        reward=half_saturated,
+        objective=FlowGRPO(clip_range=1e-2),
+        sampler=Sampler(num_steps=3, eval_num_steps=2, height=32, width=32),
+        advantage=AdvantageSettings(filter_zero=True, std="group"),
+        update=UpdateSettings(micro_batch_size=2, optimizer_steps_per_rollout=1, balance_load=True),
+        lora=LoraSettings(rank=2, alpha=4),
+    )
+    data = PromptDataModule(train=prompts, prompts_per_step=4, group_size=2, seed=3)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(module, datamodule=data)
+
+
+def test_balance_load_trains_every_kept_sample_once_with_even_loads(tiny_sd3_path, prompt_file, tmp_path):
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    out = tmp_path / "balanced"
+    run_balanced(tiny_sd3_path, prompt_file, out)
+
+    def read(name: str, rank: int, step: int):
+        return json.loads((out / f"{name}_rank{rank}_step{step}.json").read_text())
+
+    uneven = 0
+    for step in (0, 1):
+        before, after = read("loads", 0, step)
+        assert read("loads", 1, step) == [before, after]  # every rank computed the same plan
+        assert max(after) - min(after) <= 1 and sum(after) == sum(before)
+        uneven += max(before) - min(before) > 1
+        kept = sorted(read("kept", 0, step) + read("kept", 1, step))
+        trained = [read("trained", r, step) for r in (0, 1)]
+        assert [len(t) for t in trained] == after
+        assert sorted(trained[0] + trained[1]) == kept  # each kept sample trained once, on one rank
+    assert uneven, "the seed should draw at least one rollout whose kept samples are uneven across ranks"
