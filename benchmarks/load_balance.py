@@ -10,9 +10,9 @@ many as the most loaded one needs, padding the rest:
     passes now      = ceil(max_r kept_r / micro_batch)
     passes balanced = ceil(sum_r kept_r / (R * micro_batch))   (moving kept samples between ranks)
 
-This script draws the saturated groups (each with probability ``z``, the run's
-``critic/rewards/zero_std_ratio``) and the dealing many times and prints the expected passes both
-ways: the share of the update that balancing would save. Without ``filter_zero`` every rank keeps
+``--model.init_args.update.balance_load`` gets the second. This script draws the saturated groups
+(each with probability ``z``, the run's ``critic/rewards/zero_std_ratio``) and the dealing many
+times and prints the expected passes both ways: the share of the update that balancing saves. Without ``filter_zero`` every rank keeps
 its M·K/R samples and there is nothing to balance.
 
     python benchmarks/load_balance.py                      # the shipped recipes' batch shapes
