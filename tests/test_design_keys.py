@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import pytest
 import yaml
 
 from lit_flowgrpo.cli import FlowGRPOCLI
@@ -95,3 +96,31 @@ def test_diagnostics_options_from_the_command_line(tiny_sd3_path, tmp_path):
         assert row["actor/clip_ratio_high"] == row["actor/pg_clipfrac_higher"]
         assert row["actor/clip_ratio_low"] == row["actor/pg_clipfrac_lower"]
         assert not any(k.startswith("actor_by_step/") for k in row)
+
+
+def test_trajectory_level_clip_statistics_from_the_command_line(tiny_sd3_path, tmp_path):
+    rows = _run_tiny(
+        tiny_sd3_path,
+        tmp_path,
+        "--model.init_args.diagnostics.clip_level=trajectory",
+        "--model.init_args.diagnostics.clip_gate=none",
+        "--trainer.max_steps=2",
+        # A large step, so the rollout's second optimizer step sees ratios outside the 1e-4 clip.
+        "--model.init_args.optimizer.init_args.lr=0.01",
+    )
+    steps = [{k: float(v) for k, v in r.items() if v != ""} for r in rows if r.get("actor/loss")]
+    assert steps
+    images = 2 * 4  # prompts_per_step x group_size: one geometric-mean ratio per image
+    trained = {k for row in steps for k in row if k.startswith("actor_by_step/ratio_mean/")}
+    assert len(trained) > 1  # several steps per image, so a per-image count differs from a per-step one
+    for row in steps:
+        for key in ("actor/clip_ratio", "actor/clip_ratio_low", "actor/clip_ratio_high"):
+            # A fraction of the rollout's 8 images, not of its 8 x steps (image, step) pairs.
+            assert row[key] * images == round(row[key] * images), (key, row[key])
+        assert row["actor/clip_ratio"] == row["actor/clip_ratio_low"] + row["actor/clip_ratio_high"]
+        # The per-(image, step) fraction stays what it is: a multiple of 1 / (8 images x steps).
+        pairs = images * len(trained)
+        assert row["actor/pg_clipfrac"] * pairs == pytest.approx(
+            round(row["actor/pg_clipfrac"] * pairs), abs=1e-4
+        )
+    assert any(row["actor/clip_ratio"] > 0 for row in steps)  # the check above had something to count
