@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
 from lit_flowgrpo.callbacks import RLThroughputMonitor
 from lit_flowgrpo.policies.base import Embeds
+from lit_flowgrpo.policies.flux import FluxPolicy
 from lit_flowgrpo.policies.sd3 import SD3Policy
 from lit_flowgrpo.strategies import FSDP2Strategy
 
@@ -114,6 +115,136 @@ SIZES: dict[str, dict[str, Any]] = {
         resolution=32,
     ),
 }
+
+
+# black-forest-labs/FLUX.1-dev: transformer/config.json (11.9B parameters), vae/config.json,
+# scheduler/scheduler_config.json, and the conditioning shapes (512 T5 tokens of width 4096; pooled CLIP-L, 768).
+FLUX_SIZES: dict[str, dict[str, Any]] = {
+    "flux12b": dict(
+        transformer=dict(
+            patch_size=1,
+            in_channels=64,
+            num_layers=19,
+            num_single_layers=38,
+            attention_head_dim=128,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            pooled_projection_dim=768,
+            guidance_embeds=True,
+            axes_dims_rope=(16, 56, 56),
+        ),
+        vae=dict(
+            block_out_channels=(128, 256, 512, 512),
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            layers_per_block=2,
+            latent_channels=16,
+            norm_num_groups=32,
+            sample_size=1024,
+            scaling_factor=0.3611,
+            shift_factor=0.1159,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        ),
+        text=dict(tokens=512, dim=4096, pooled=768),
+        resolution=512,
+    ),
+    "flux_tiny": dict(
+        transformer=dict(
+            patch_size=1,
+            in_channels=64,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=24,
+            guidance_embeds=True,
+            axes_dims_rope=(4, 6, 6),
+        ),
+        vae=dict(
+            block_out_channels=(8, 8),
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            latent_channels=16,
+            norm_num_groups=4,
+            sample_size=32,
+            scaling_factor=0.3611,
+            shift_factor=0.1159,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        ),
+        text=dict(tokens=12, dim=32, pooled=24),
+        resolution=32,
+    ),
+}
+SIZES.update(FLUX_SIZES)
+
+
+class RandomFluxPolicy(FluxPolicy):
+    """:class:`FluxPolicy` on seeded random weights built from a config; prompts map to fixed random
+    embeddings of the real shapes (as :class:`RandomSD3Policy`)."""
+
+    def __init__(self, size: str = "flux12b") -> None:
+        cuda = torch.cuda.is_available()
+        super().__init__("random/flux", dtype="bfloat16" if cuda else "float32", max_sequence_length=512)
+        self.size = size
+
+    def problems(self) -> list[str]:
+        return []  # nothing to read
+
+    def load(self) -> None:
+        if self.pipe is not None:
+            return
+        from diffusers import (
+            AutoencoderKL,
+            FlowMatchEulerDiscreteScheduler,
+            FluxPipeline,
+            FluxTransformer2DModel,
+        )
+
+        spec = SIZES[self.size]
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        dtype = torch.bfloat16 if device is not None else torch.float32
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # built in bf16 straight on the GPU: never an fp32 copy
+        try:
+            with torch.device(device or "cpu"), torch.random.fork_rng(devices=[device] if device else []):
+                torch.manual_seed(0)
+                transformer = FluxTransformer2DModel(**spec["transformer"]).requires_grad_(False).eval()
+                vae = AutoencoderKL(**spec["vae"]).requires_grad_(False).eval()
+        finally:
+            torch.set_default_dtype(previous)
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=1000,
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+        )
+        none = dict.fromkeys(("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"))
+        self.pipe = FluxPipeline(transformer=transformer, vae=vae, scheduler=scheduler, **none)
+        self.pipe.set_progress_bar_config(disable=True)
+        self._transformer, self.vae = transformer, vae
+        self.text_encoder = self.text_encoder_2 = None
+
+    def _encode_rows(self, prompts: list[str]) -> list[Embeds]:
+        text = SIZES[self.size]["text"]
+        dtype = next(self.vae.parameters()).dtype
+
+        def rows(key: str, shape: tuple[int, ...]) -> Tensor:
+            gen = torch.Generator(self.device).manual_seed(zlib.crc32(key.encode()))
+            return torch.randn(shape, generator=gen, device=self.device).to(dtype)
+
+        return [
+            {
+                "prompt_embeds": rows(p, (1, text["tokens"], text["dim"])),
+                "pooled_prompt_embeds": rows("pooled:" + p, (1, text["pooled"])),
+            }
+            for p in prompts
+        ]
 
 
 class RandomSD3Policy(SD3Policy):
@@ -248,12 +379,14 @@ def run(args: argparse.Namespace) -> None:
     kl_coef = args.kl_coef if args.kl_coef is not None else (0.0 if lora else 0.04)
     module = Recorder(
         out=str(out),
-        policy=RandomSD3Policy(args.size),
+        policy=RandomFluxPolicy(args.size) if args.size in FLUX_SIZES else RandomSD3Policy(args.size),
         reward=brightness,
         objective=FlowGRPO(clip_range=1e-4, kl_coef=kl_coef),
         sampler=Sampler(
             num_steps=10,
-            guidance_scale=4.5,
+            guidance_scale=1.0
+            if args.size in FLUX_SIZES
+            else 4.5,  # FLUX.1-dev: guidance is an input embedding
             height=spec["resolution"],
             width=spec["resolution"],
             batch_size=args.per_gpu,  # one rollout chunk per rank's share: 1 GPU runs the same forwards
@@ -274,7 +407,7 @@ def run(args: argparse.Namespace) -> None:
     if args.strategy == "fsdp2":
         strategy = FSDP2Strategy(activation_checkpointing=args.activation_checkpointing)
     clock = StepClock()
-    callbacks: list[Callback] = [RLThroughputMonitor(), clock]
+    callbacks: list[Callback] = [RLThroughputMonitor(measure_flops=not args.no_flop_count), clock]
     if args.save_at:
         callbacks.append(
             ModelCheckpoint(
@@ -531,6 +664,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--compare_to", default=None, help="a run with --save_trained whose weights to compare with"
     )
     p.add_argument("--activation_checkpointing", action="store_true")
+    p.add_argument(
+        "--no_flop_count", action="store_true", help="skip the MFU's FLOP count (one extra forward+backward)"
+    )
     p.add_argument("--out", required=True)
     r = sub.add_parser("report", help="the results JSON from the runs' folders")
     r.add_argument("root")
