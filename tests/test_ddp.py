@@ -50,18 +50,7 @@ class RecordingModule(FlowGRPOModule):
             torch.save(state, Path(self.out) / "lora.pt")
 
 
-def run(path: str, prompts: str, out: Path, devices: int) -> None:
-    out.mkdir()
-    module = RecordingModule(
-        out=str(out),
-        policy=SD3Policy(path, dtype="float32", max_sequence_length=16),
-        reward=brightness,
-        objective=FlowGRPO(clip_range=1e-2),
-        sampler=Sampler(num_steps=3, eval_num_steps=2, height=32, width=32),
-        update=UpdateSettings(micro_batch_size=2, optimizer_steps_per_rollout=1),
-        lora=LoraSettings(rank=2, alpha=4),
-    )
-    data = PromptDataModule(train=prompts, prompts_per_step=2, group_size=4, seed=5)
+def fit_two_steps(module: FlowGRPOModule, data: PromptDataModule, devices: int) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -75,6 +64,21 @@ def run(path: str, prompts: str, out: Path, devices: int) -> None:
         limit_val_batches=0,
     )
     trainer.fit(module, datamodule=data)
+
+
+def run(path: str, prompts: str, out: Path, devices: int) -> None:
+    out.mkdir()
+    module = RecordingModule(
+        out=str(out),
+        policy=SD3Policy(path, dtype="float32", max_sequence_length=16),
+        reward=brightness,
+        objective=FlowGRPO(clip_range=1e-2),
+        sampler=Sampler(num_steps=3, eval_num_steps=2, height=32, width=32),
+        update=UpdateSettings(micro_batch_size=2, optimizer_steps_per_rollout=1),
+        lora=LoraSettings(rank=2, alpha=4),
+    )
+    data = PromptDataModule(train=prompts, prompts_per_step=2, group_size=4, seed=5)
+    fit_two_steps(module, data, devices)
 
 
 def collect(out: Path) -> dict[int, dict[int, tuple[float, float]]]:
@@ -151,19 +155,7 @@ def run_balanced(path: str, prompts: str, out: Path) -> None:
         lora=LoraSettings(rank=2, alpha=4),
     )
     data = PromptDataModule(train=prompts, prompts_per_step=4, group_size=2, seed=3)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp_spawn",
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    trainer.fit(module, datamodule=data)
+    fit_two_steps(module, data, devices=2)
 
 
 def test_balance_load_trains_every_kept_sample_once_with_even_loads(tiny_sd3_path, prompt_file, tmp_path):
