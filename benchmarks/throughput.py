@@ -391,6 +391,7 @@ class Variant:
     performance: PerformanceSettings
     rollout_batch_size: int | None = None
     fast: bool = False
+    micro_batch: int | None = None  # None: --micro-batch
 
 
 def variants(micro_batch: int) -> list[Variant]:
@@ -410,6 +411,26 @@ def variants(micro_batch: int) -> list[Variant]:
             "compile", "+ torch.compile of each transformer block", compiled, rollout_batch_size=micro_batch
         ),
         Variant("compile_whole_rollout", "compile, rollout of the whole batch in one forward", compiled),
+        Variant(
+            "compile_fp8",
+            "compile + frozen base weights multiply in float8 (e4m3, a scale per row; not exact)",
+            dataclasses.replace(compiled, fp8_base_matmuls=True),
+            rollout_batch_size=micro_batch,
+        ),
+        Variant(
+            "compile_fp8_batch16",
+            "compile_fp8, rollout batch = update micro-batch = 16 images (32 per forward with CFG)",
+            dataclasses.replace(compiled, fp8_base_matmuls=True),
+            rollout_batch_size=16,
+            micro_batch=16,
+        ),
+        Variant(
+            "compile_decoder",
+            "compile_fp8_batch16 + the VAE decoder compiled",
+            dataclasses.replace(compiled, fp8_base_matmuls=True, compile_decoder=True),
+            rollout_batch_size=16,
+            micro_batch=16,
+        ),
         Variant(
             "merged_rollout",
             "+ LoRA merged into a copy of the weights for sampling (not exact)",
@@ -586,7 +607,9 @@ def run_training(
         objective=objective,
         sampler=sampler,
         update=UpdateSettings(
-            micro_batch_size=args.micro_batch, optimizer_steps_per_rollout=2, train_cfg=train_cfg
+            micro_batch_size=variant.micro_batch or args.micro_batch,
+            optimizer_steps_per_rollout=2,
+            train_cfg=train_cfg,
         ),
         lora=LoraSettings(rank=32, alpha=64),
         performance=variant.performance,
@@ -626,6 +649,7 @@ def run_training(
         what=variant.what,
         performance=dataclasses.asdict(variant.performance),
         rollout_batch_size=variant.rollout_batch_size,
+        micro_batch=variant.micro_batch or args.micro_batch,
         wall_s=wall,
         flops_per_image_forward=monitor.flops_per_forward,
     )
@@ -768,7 +792,8 @@ def write_readme(out: Path) -> None:
         "real `FlowGRPOModule` runs under a `lightning.Trainer` and every figure is `RLThroughputMonitor`'s",
         "(medians over the measured rollouts after warm-up, where compilation happens). Training runs: 512 px,",
         "10 steps, CFG 4.5 in rollout and update (`train_cfg`), `timestep_fraction` 0.99, clip 1e-4, β 0,",
-        "16 images per GPU (2 prompts × 8), update micro-batch 8, 2 optimizer steps per rollout, bf16 base,",
+        "16 images per GPU (2 prompts × 8), update micro-batch 8 (where a variant says otherwise, its own),",
+        "2 optimizer steps per rollout, bf16 base,",
         "fp32 LoRA r32 α64 on the 8 attention projections, a brightness reward computed on the GPU.",
         "Rollout-only runs (FLUX.1-dev, Qwen-Image sized): 4 images of 10 steps, the family's LoRA (r64).",
         "MFU is against 989.4 TFLOP/s dense bf16; `max mean|ratio−1|` is `actor/on_policy_ratio_err`, the",
@@ -777,6 +802,8 @@ def write_readme(out: Path) -> None:
     ]
     for path in sorted(out.glob("*.json")):
         result = json.loads(path.read_text())
+        if "variants" not in result:
+            continue  # another benchmark's results (benchmarks/scaling.py)
         note = [result["note"], ""] if result.get("note") else []
         sections += [table(result), "", *note, f"Command: `{result['command']}`", ""]
     (out / "README.md").write_text("\n".join(sections))

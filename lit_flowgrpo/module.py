@@ -212,6 +212,7 @@ class FlowGRPOModule(L.LightningModule):
         self.policy.load()
         self.weights.attach(self.policy)
         self.performance.apply(self.policy.transformer)
+        self.performance.apply_to_decoder(getattr(self.policy, "vae", None))
         self._configured = True
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.parameters())

@@ -50,9 +50,21 @@ class PerformanceSettings:
             new batch shape compiles once more (a short last rollout chunk too).
         compile_backend: the ``torch.compile`` backend (``"inductor"``; ``"aot_eager"`` traces without
             generating kernels, for debugging).
+        compile_decoder: ``torch.compile`` the VAE's decoder too (``vae.decoder``), which turns each
+            rollout's latents into images; it recompiles for each new batch shape. Needs
+            ``compile_blocks`` (the same backend).
         attention_backend: the ``scaled_dot_product_attention`` kernel: ``"auto"`` lets PyTorch choose;
             ``"cudnn"``, ``"flash"``, ``"efficient"`` or ``"math"`` force one (an error names the
             reason if it cannot run the model's attention).
+        fp8_base_matmuls: the frozen base weights of the transformer blocks multiply in float8 (e4m3,
+            one scale per row; ``lit_flowgrpo.fp8``), in the rollout, the update and the reference
+            alike; adapters, norms and attention stay in ``compute_dtype``. A LoRA run on a GPU with
+            float8 tensor cores (Hopper, Ada); the CPU computes the same values without a speed-up.
+            Not exact against bf16 (each product rounds its inputs to 3 mantissa bits), so off by
+            default; the on-policy ratio is unaffected (``actor/on_policy_ratio_err``).
+        fp8_min_rows: a product whose input has fewer rows (tokens × images) stays in
+            ``compute_dtype``: on an H200 (``benchmarks/fp8_matmul.py``) float8 gains nothing at
+            5,328 rows (SD3.5's 333 text tokens × 16) and 1.5× to 1.7× at 16,384.
         rollout_merged_lora: sample the rollout (and validation) with each LoRA delta merged into a
             copy of its base weight, which costs the memory of the adapted weights (bf16). Not exact
             (see the module docstring): watch ``actor/on_policy_ratio_err``. Single-device and DDP
@@ -62,7 +74,10 @@ class PerformanceSettings:
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     compile_blocks: bool = False
     compile_backend: str = "inductor"
+    compile_decoder: bool = False
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
+    fp8_base_matmuls: bool = False
+    fp8_min_rows: int = 8192
     rollout_merged_lora: bool = False
 
     def problems(self, flag: str = "--model.performance") -> list[str]:
@@ -75,6 +90,15 @@ class PerformanceSettings:
             p.append(
                 f"{flag}.attention_backend ({self.attention_backend}) must be auto, "
                 + ", ".join(_SDPA_BACKENDS)
+            )
+        if self.compile_decoder and not self.compile_blocks:
+            p.append(f"{flag}.compile_decoder needs {flag}.compile_blocks=true (it uses its compile_backend)")
+        if self.fp8_min_rows < 0:
+            p.append(f"{flag}.fp8_min_rows ({self.fp8_min_rows}) must be 0 or more")
+        if self.fp8_base_matmuls and self.rollout_merged_lora:
+            p.append(
+                f"{flag}.fp8_base_matmuls and {flag}.rollout_merged_lora: the merged weights would bypass "
+                "the float8 copies of the base; choose one"
             )
         if self.compile_blocks:
             import torch._dynamo
@@ -118,8 +142,30 @@ class PerformanceSettings:
             transformer.register_forward_hook(scope.exit, always_call=True)
         if self.rollout_merged_lora:
             _mergeable_lora_layers(transformer)  # fails now, not at the first rollout
+        if self.fp8_base_matmuls:
+            from lit_flowgrpo.fp8 import convert_frozen_linears
+
+            if not convert_frozen_linears(
+                _repeated_blocks(transformer, "fp8_base_matmuls"), self.fp8_min_rows
+            ):
+                raise ValueError(
+                    "--model.performance.fp8_base_matmuls: the transformer blocks have no frozen "
+                    "linear layer (a full fine-tune trains them all): use it with --model.lora"
+                )
         if self.compile_blocks:
             _compile_repeated_blocks(transformer, self.compile_backend)
+
+    def apply_to_decoder(self, vae: nn.Module | None) -> None:
+        """Compile the VAE's decoder (``compile_decoder``); call once, with the policy's ``vae``."""
+        if not self.compile_decoder:
+            return
+        decoder = getattr(vae, "decoder", None)
+        if not isinstance(decoder, nn.Module):
+            raise ValueError(
+                f"--model.performance.compile_decoder: the policy's VAE ({type(vae).__name__}) has no "
+                "`decoder` module to compile: set it to false"
+            )
+        decoder.compile(backend=self.compile_backend, dynamic=False)
 
     @contextmanager
     def sampling_weights(self, transformer: nn.Module) -> Iterator[None]:
@@ -219,15 +265,18 @@ def _compile_repeated_blocks(transformer: nn.Module, backend: str) -> None:
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), 64))
+    for block in _repeated_blocks(transformer, "compile_blocks"):
+        block.compile(backend=backend, dynamic=False)
+
+
+def _repeated_blocks(transformer: nn.Module, setting: str) -> list[nn.Module]:
     classes = set(getattr(transformer, "_repeated_blocks", None) or _block_classes(transformer))
     if not classes:
         raise ValueError(
-            f"--model.performance.compile_blocks: {type(transformer).__name__} has no repeated blocks "
+            f"--model.performance.{setting}: {type(transformer).__name__} has no repeated blocks "
             "(no _repeated_blocks and no list of same-class layers): set it to false"
         )
-    for module in transformer.modules():
-        if type(module).__name__ in classes:
-            module.compile(backend=backend, dynamic=False)
+    return [m for m in transformer.modules() if type(m).__name__ in classes]
 
 
 def _block_classes(transformer: nn.Module) -> set[str]:

@@ -272,6 +272,20 @@ def strategy_problems(trainer: Any, dm: Any, performance: Any) -> list[str]:
             f"--trainer.strategy ({type(strategy).__name__}): FlowGRPOModule applies no tensor parallelism; "
             "use --trainer.strategy=fsdp2 (data-parallel sharding over all ranks)"
         ]
+    if getattr(performance, "fp8_base_matmuls", False):
+        from lit_flowgrpo.fp8 import fp8_supported
+
+        if isinstance(strategy, FSDP2Strategy):
+            return [
+                "--model.performance.fp8_base_matmuls keeps whole float8 copies of the frozen weights "
+                "on every rank, which defeats --trainer.strategy=fsdp2: use ddp, or drop it"
+            ]
+        device = strategy.root_device
+        if device.type == "cuda" and not fp8_supported(device):
+            return [
+                f"--model.performance.fp8_base_matmuls needs float8 tensor cores (compute capability 8.9+: "
+                f"Ada, Hopper or newer); {torch.cuda.get_device_name(device)} has none: set it to false"
+            ]
     if not isinstance(strategy, FSDP2Strategy):
         return []
     if getattr(performance, "rollout_merged_lora", False):

@@ -180,3 +180,24 @@ def test_flop_counting_leaves_compiled_blocks_compiled(tiny_sd3_path):
     with torch.no_grad():
         policy.velocity(*velocity_inputs(policy), 4.5)
     assert counters["frames"]["ok"] > 0, "no block was compiled after the FLOP count"
+
+
+def test_compiled_decoder_decodes_what_the_eager_decoder_decodes(tiny_sd3_path):
+    # the "eager" backend runs the captured ops unchanged: bit for bit equal, and the wiring checked
+    settings = PerformanceSettings(compile_blocks=True, compile_backend="eager", compile_decoder=True)
+    eager = SD3Policy(tiny_sd3_path, dtype="float32", max_sequence_length=16)
+    compiled = SD3Policy(tiny_sd3_path, dtype="float32", max_sequence_length=16)
+    for p in (eager, compiled):
+        p.load()
+    settings.apply_to_decoder(compiled.vae)
+    assert getattr(compiled.vae.decoder, "_compiled_call_impl", None) is not None
+    latents = torch.randn((2, *eager.latent_shape(32, 32)), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(eager.decode(latents), compiled.decode(latents))
+
+
+def test_compile_decoder_needs_compiled_blocks_and_a_decoder():
+    (problem,) = PerformanceSettings(compile_decoder=True).problems()
+    assert problem.startswith("--model.performance.compile_decoder") and "compile_blocks=true" in problem
+    with pytest.raises(ValueError, match=r"--model\.performance\.compile_decoder.*no `decoder`"):
+        PerformanceSettings(compile_blocks=True, compile_decoder=True).apply_to_decoder(torch.nn.Linear(2, 2))

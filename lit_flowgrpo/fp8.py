@@ -1,0 +1,162 @@
+"""FP8 matrix products for the frozen base weights of a LoRA run (``performance.fp8_base_matmuls``).
+
+Each frozen ``nn.Linear`` of the transformer's repeated blocks computes ``x @ W.T`` in float8
+(e4m3) with one scale per row of each operand (``torch._scaled_mm``, Hopper and Ada GPUs), in the
+forward and in the backward's input gradient; the LoRA adapters, norms and attention stay in bf16.
+
+Why written here: torch's own float8 training recipes (torchao) re-quantize every weight at every
+call and compute its gradient, because they train the weights. A LoRA base is frozen, so each weight
+is quantized once, when this is applied, in the two layouts the forward (``W``, a scale per output
+row) and the backward (``W.T``, a scale per input column) read, and no weight gradient is computed.
+No activation is kept for the backward either: with the weight frozen, ``dX = dY @ W`` needs none.
+
+Exactness: the rollout, the update and the KL reference all run these products, and each row of
+``x`` (one token) is quantized with its own scale, independent of the batch it comes in, so the
+importance ratio at the first update stays at 1 up to bf16 rounding. The model itself differs from
+its bf16 self by the quantization (about 2⁻⁴ relative per element): a policy change of its own,
+which is why the setting is off by default.
+
+The quantized copies are buffers outside the state dict: checkpoints, exports and merges read the
+bf16 weights, which stay in place.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Float8FrozenLinear", "convert_frozen_linears", "fp8_supported"]
+
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = torch.finfo(_FP8).max  # 448
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """Whether ``device`` has float8 tensor cores (compute capability 8.9 or newer)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _quantize_rows(t: Tensor) -> tuple[Tensor, Tensor]:
+    """``t`` (…, K) as e4m3 and the per-row float32 scale that multiplies it back."""
+    amax = t.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    scale = amax / _FP8_MAX
+    q = (t.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
+    return q, scale
+
+
+def _scaled_mm(
+    a: Tensor, scale_a: Tensor, b_t: Tensor, scale_b: Tensor, bias: Tensor | None, dtype: torch.dtype
+) -> Tensor:
+    """``(a·scale_a) @ (b_t·scale_b).T``: ``a`` (M, K) and ``b_t`` (N, K) row-major e4m3, scales (M, 1)
+    and (N, 1). On a GPU without float8 tensor cores, or the CPU, the same quantized values are
+    multiplied in float32 (the tests' path; no speed-up)."""
+    if a.device.type == "cuda" and fp8_supported(a.device):
+        return torch._scaled_mm(
+            a, b_t.t(), scale_a=scale_a, scale_b=scale_b.view(1, -1), bias=bias, out_dtype=dtype
+        )
+    with torch.autocast(a.device.type, enabled=False):
+        out = (a.float() * scale_a) @ (b_t.float() * scale_b).t()
+        if bias is not None:
+            out = out + bias.float()
+    return out.to(dtype)
+
+
+class _Float8FrozenMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        x: Tensor,
+        w: Tensor,
+        w_scale: Tensor,
+        w_t: Tensor,
+        w_t_scale: Tensor,
+        bias: Tensor | None,
+        dtype: torch.dtype,
+    ) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(w_t, w_t_scale)
+        ctx.dtype, ctx.x_dtype = dtype, x.dtype
+        xq, x_scale = _quantize_rows(x)
+        return _scaled_mm(xq, x_scale, w, w_scale, bias, dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        w_t, w_t_scale = ctx.saved_tensors
+        gq, g_scale = _quantize_rows(grad.contiguous())
+        dx = _scaled_mm(gq, g_scale, w_t, w_t_scale, None, ctx.dtype)
+        return dx.to(ctx.x_dtype), None, None, None, None, None, None
+
+
+class Float8FrozenLinear(nn.Linear):
+    """An ``nn.Linear`` whose frozen weight multiplies in float8; ``weight`` and ``bias`` are the
+    original parameters (same names, same storage), the e4m3 copies are non-persistent buffers."""
+
+    w_fp8: Tensor
+    w_scale: Tensor
+    w_t_fp8: Tensor
+    w_t_scale: Tensor
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, min_rows: int = 0) -> Float8FrozenLinear:
+        """``min_rows``: inputs of fewer rows (tokens × batch) multiply in ``compute_dtype`` instead."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.min_rows = min_rows
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.requantize()
+        return new
+
+    @torch.no_grad()
+    def requantize(self) -> None:
+        """The e4m3 copies from the current ``weight`` (call after changing it in place)."""
+        w, buffers = self.weight.detach(), {}
+        buffers["w_fp8"], buffers["w_scale"] = _quantize_rows(w)
+        w_t, w_t_scale = _quantize_rows(w.t())
+        buffers["w_t_fp8"], buffers["w_t_scale"] = w_t.contiguous(), w_t_scale
+        for name, value in buffers.items():
+            self.register_buffer(name, value, persistent=False)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # A dtype conversion of the whole model (``.to(torch.bfloat16)``) would turn the e4m3 copies
+        # into bf16 too: quantize the converted weight again instead.
+        super()._apply(fn, recurse)
+        if self.w_fp8.dtype != _FP8 or self.w_scale.dtype != torch.float32:
+            self.requantize()
+        return self
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.numel() < self.min_rows * self.in_features:
+            # Too few rows for float8 to pay for quantizing them (a static shape: decided once per
+            # compiled graph).
+            return nn.functional.linear(x, self.weight, self.bias)
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.weight.dtype
+        bias = None if self.bias is None else self.bias.to(dtype)
+        out = _Float8FrozenMatmul.apply(
+            x.reshape(-1, x.shape[-1]), self.w_fp8, self.w_scale, self.w_t_fp8, self.w_t_scale, bias, dtype
+        )
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def convert_frozen_linears(blocks: list[nn.Module], min_rows: int = 0) -> int:
+    """Replace every frozen ``nn.Linear`` inside ``blocks`` (peft's ``base_layer`` under an adapter
+    too) whose dimensions are multiples of 16 (the tensor cores' granularity) by a
+    :class:`Float8FrozenLinear`; the modulation layers of adaptive norms (``norm*`` names: one row per
+    image, nothing to gain) keep bf16. Returns how many were replaced; ``min_rows`` as in
+    :meth:`Float8FrozenLinear.from_linear`."""
+    replaced = 0
+    for block in blocks:
+        for parent_name, parent in list(block.named_modules()):
+            if parent_name.split(".")[-1].startswith("norm"):
+                continue
+            for name, child in list(parent.named_children()):
+                if (
+                    type(child) is nn.Linear
+                    and not child.weight.requires_grad
+                    and child.in_features % 16 == 0
+                    and child.out_features % 16 == 0
+                ):
+                    setattr(parent, name, Float8FrozenLinear.from_linear(child, min_rows))
+                    replaced += 1
+    return replaced
