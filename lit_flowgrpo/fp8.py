@@ -88,7 +88,12 @@ class _Float8FrozenMatmul(torch.autograd.Function):
 
 class Float8FrozenLinear(nn.Linear):
     """An ``nn.Linear`` whose frozen weight multiplies in float8; ``weight`` and ``bias`` are the
-    original parameters (same names, same storage), the e4m3 copies are non-persistent buffers."""
+    original parameters (same names, same storage).
+
+    The e4m3 copies are plain attributes, neither parameters nor buffers: checkpoints, DDP's buffer
+    broadcast (gloo cannot send float8) and FSDP never see them. ``.to()`` / ``.cuda()`` reach them
+    through ``_apply``, which quantizes the moved or converted weight anew.
+    """
 
     w_fp8: Tensor
     w_scale: Tensor
@@ -110,19 +115,14 @@ class Float8FrozenLinear(nn.Linear):
     @torch.no_grad()
     def requantize(self) -> None:
         """The e4m3 copies from the current ``weight`` (call after changing it in place)."""
-        w, buffers = self.weight.detach(), {}
-        buffers["w_fp8"], buffers["w_scale"] = _quantize_rows(w)
-        w_t, w_t_scale = _quantize_rows(w.t())
-        buffers["w_t_fp8"], buffers["w_t_scale"] = w_t.contiguous(), w_t_scale
-        for name, value in buffers.items():
-            self.register_buffer(name, value, persistent=False)
+        w = self.weight.detach()
+        self.w_fp8, self.w_scale = _quantize_rows(w)
+        w_t, self.w_t_scale = _quantize_rows(w.t())
+        self.w_t_fp8 = w_t.contiguous()
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        # A dtype conversion of the whole model (``.to(torch.bfloat16)``) would turn the e4m3 copies
-        # into bf16 too: quantize the converted weight again instead.
         super()._apply(fn, recurse)
-        if self.w_fp8.dtype != _FP8 or self.w_scale.dtype != torch.float32:
-            self.requantize()
+        self.requantize()
         return self
 
     def forward(self, x: Tensor) -> Tensor:

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 
 from lit_flowgrpo import (
@@ -18,6 +19,7 @@ from lit_flowgrpo import (
     Sampler,
     UpdateSettings,
 )
+from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies import SD3Policy
 
 
@@ -66,7 +68,7 @@ def fit_two_steps(module: FlowGRPOModule, data: PromptDataModule, devices: int) 
     trainer.fit(module, datamodule=data)
 
 
-def run(path: str, prompts: str, out: Path, devices: int) -> None:
+def run(path: str, prompts: str, out: Path, devices: int, fp8: bool = False) -> None:
     out.mkdir()
     module = RecordingModule(
         out=str(out),
@@ -76,6 +78,7 @@ def run(path: str, prompts: str, out: Path, devices: int) -> None:
         sampler=Sampler(num_steps=3, eval_num_steps=2, height=32, width=32),
         update=UpdateSettings(micro_batch_size=2, optimizer_steps_per_rollout=1),
         lora=LoraSettings(rank=2, alpha=4),
+        performance=PerformanceSettings(fp8_base_matmuls=fp8, fp8_min_rows=0),
     )
     data = PromptDataModule(train=prompts, prompts_per_step=2, group_size=4, seed=5)
     fit_two_steps(module, data, devices)
@@ -90,10 +93,13 @@ def collect(out: Path) -> dict[int, dict[int, tuple[float, float]]]:
     return steps
 
 
-def test_ddp_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tmp_path):
+# fp8: the float8 copies of the base stay out of DDP's buffer broadcast (gloo cannot send float8),
+# and each token quantizes alone, so two ranks compute what one process does.
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16_base", "fp8_base"])
+def test_ddp_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tmp_path, fp8):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    run(tiny_sd3_path, prompt_file, tmp_path / "single", devices=1)
-    run(tiny_sd3_path, prompt_file, tmp_path / "ddp", devices=2)
+    run(tiny_sd3_path, prompt_file, tmp_path / "single", devices=1, fp8=fp8)
+    run(tiny_sd3_path, prompt_file, tmp_path / "ddp", devices=2, fp8=fp8)
     single, ddp = collect(tmp_path / "single"), collect(tmp_path / "ddp")
     assert sorted(single) == sorted(ddp) == [0, 1]
     for step in single:

@@ -287,3 +287,18 @@ def test_transformer_blocks_of_every_family():
     assert transformer_blocks(sd3) == list(sd3.transformer_blocks)
     assert transformer_blocks(flux) == [*flux.transformer_blocks, *flux.single_transformer_blocks]
     assert transformer_blocks(qwen) == list(qwen.transformer_blocks)
+
+
+def test_fp8_base_is_refused_under_fsdp2_before_any_weight_loads(tiny_sd3_path, prompt_file):
+    from lit_flowgrpo.performance import PerformanceSettings
+
+    module = FlowGRPOModule(
+        policy=SD3Policy(tiny_sd3_path, dtype="float32"),
+        reward=fsdp_worker.brightness,
+        lora=LoraSettings(rank=2),
+        performance=PerformanceSettings(fp8_base_matmuls=True),
+    )
+    data = PromptDataModule(train=prompt_file, prompts_per_step=2, group_size=4)
+    with pytest.raises(ValueError, match=r"--model\.performance\.fp8_base_matmuls .*use ddp"):
+        _setup_under(module, FSDP2Strategy(), data)
+    assert module.policy.pipe is None
