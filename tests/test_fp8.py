@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lit_flowgrpo.fp8 import Float8FrozenLinear, _quantize_rows, convert_frozen_linears
+from lit_flowgrpo.fp8 import Float8FrozenLinear, _quantize_rows, convert_frozen_linears, fp8_supported
 from lit_flowgrpo.lora import LoraSettings, TrainableWeights
 from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies import SD3Policy
@@ -161,3 +161,31 @@ def test_a_full_fine_tune_has_no_frozen_linear_to_convert(tiny_sd3_path):
 def test_fp8_and_merged_sampling_exclude_each_other():
     (problem,) = PerformanceSettings(fp8_base_matmuls=True, rollout_merged_lora=True).problems()
     assert "fp8_base_matmuls" in problem and "rollout_merged_lora" in problem
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not fp8_supported(torch.device("cuda")),
+    reason="needs a CUDA GPU with float8 tensor cores",
+)
+def test_scaled_mm_computes_the_quantized_products_on_the_gpu():
+    # torch._scaled_mm against the same quantized operands multiplied in float64: the kernel
+    # accumulates in float32 and rounds the result to bf16 (2^-8 relative) once.
+    device = torch.device("cuda")
+    linear = _frozen_linear(256, 512, seed=13).to(device, torch.bfloat16)
+    fp8 = Float8FrozenLinear.from_linear(linear)
+    x = torch.randn(4, 96, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+    out = fp8(x)
+    xq, xs = _quantize_rows(x.detach().reshape(-1, 256))
+    a, w = xq.double() * xs.double(), fp8.w_fp8.double() * fp8.w_scale.double()
+    expected = a @ w.t() + linear.bias.double()
+    magnitude = a.abs() @ w.abs().t() + linear.bias.double().abs()
+    err = (out.detach().reshape(-1, 512).double() - expected).abs()
+    assert (err <= (2**-8 + 256 * 2**-23) * magnitude + 1e-6).all()
+    grad = torch.randn(4, 96, 512, device=device, dtype=torch.bfloat16)
+    out.backward(grad)
+    gq, gs = _quantize_rows(grad.reshape(-1, 512))
+    g, wt = gq.double() * gs.double(), fp8.w_t_fp8.double() * fp8.w_t_scale.double()
+    magnitude = g.abs() @ wt.abs().t()
+    err = (x.grad.reshape(-1, 256).double() - g @ wt.t()).abs()
+    assert (err <= (2**-8 + 512 * 2**-23) * magnitude + 1e-6).all()
