@@ -11,11 +11,11 @@ and 5,328 text-token rows (333 × 16). Two runs on an H200 (torch 2.11), ms:
     16384 × 6144 × 1536   0.389 / 0.382  0.229 / 0.227  0.233 / 0.231
      5328 × 1536 × 1536   0.039 / 0.038  0.039 / 0.026  0.087 / 0.047
 
-At 16k rows float8 is 1.45× to 1.7× faster. At 5k rows the two runs disagree (1.0× and 1.46×) and
-the saving is smaller than quantizing the input on its own costs, hence
-``PerformanceSettings.fp8_min_rows`` (8192) keeps such products in bf16. Inside a compiled block
-the quantization fuses with the op that produces its input, so the standalone figure is an upper
-bound; end to end the threshold made no measurable difference (2.85 images/s either way).
+At 16k rows float8 is 1.45× to 1.7× faster; at 5k rows the two runs disagree (1.0× and 1.46×).
+Inside a compiled block the quantization fuses with the op that produces its input, so the
+standalone figure is an upper bound on its cost. ``lit_flowgrpo.fp8`` converts every frozen block
+linear alike: a threshold on the rows (tokens × images) would make the rollout and the update, which
+batch differently, compute one layer in different precisions.
 
     python benchmarks/fp8_matmul.py
 """

@@ -16,8 +16,10 @@ importance ratio at the first update stays at 1 up to bf16 rounding. The model i
 its bf16 self by the quantization (about 2⁻⁴ relative per element): a policy change of its own,
 which is why the setting is off by default.
 
-The quantized copies are buffers outside the state dict: checkpoints, exports and merges read the
-bf16 weights, which stay in place.
+The quantized copies live beside the bf16 weights, which stay in place for checkpoints and exports.
+They are derived once: a load into the weights (``load_state_dict``) or a device or dtype move
+quantizes them again, but any other in-place write to a converted weight (peft's ``merge``,
+diffusers' ``fuse_lora``) needs :meth:`Float8FrozenLinear.requantize` after it.
 """
 
 from __future__ import annotations
@@ -51,9 +53,11 @@ def _scaled_mm(
     and (N, 1). On a GPU without float8 tensor cores, or the CPU, the same quantized values are
     multiplied in float32 (the tests' path; no speed-up)."""
     if a.device.type == "cuda" and fp8_supported(a.device):
-        return torch._scaled_mm(
-            a, b_t.t(), scale_a=scale_a, scale_b=scale_b.view(1, -1), bias=bias, out_dtype=dtype
+        fused = bias if dtype != torch.float32 else None  # _scaled_mm adds a bias to 16-bit outputs only
+        out = torch._scaled_mm(
+            a, b_t.t(), scale_a=scale_a, scale_b=scale_b.view(1, -1), bias=fused, out_dtype=dtype
         )
+        return out if bias is None or fused is not None else out + bias
     with torch.autocast(a.device.type, enabled=False):
         out = (a.float() * scale_a) @ (b_t.float() * scale_b).t()
         if bias is not None:
@@ -101,15 +105,14 @@ class Float8FrozenLinear(nn.Linear):
     w_t_scale: Tensor
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, min_rows: int = 0) -> Float8FrozenLinear:
-        """``min_rows``: inputs of fewer rows (tokens × batch) multiply in ``compute_dtype`` instead."""
+    def from_linear(cls, linear: nn.Linear) -> Float8FrozenLinear:
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.min_rows = min_rows
         new.weight = linear.weight
         new.bias = linear.bias
         new.requantize()
+        new.register_load_state_dict_post_hook(lambda module, keys: module.requantize())
         return new
 
     @torch.no_grad()
@@ -126,25 +129,26 @@ class Float8FrozenLinear(nn.Linear):
         return self
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.numel() < self.min_rows * self.in_features:
-            # Too few rows for float8 to pay for quantizing them (a static shape: decided once per
-            # compiled graph).
-            return nn.functional.linear(x, self.weight, self.bias)
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.weight.dtype
         bias = None if self.bias is None else self.bias.to(dtype)
         out = _Float8FrozenMatmul.apply(
-            x.reshape(-1, x.shape[-1]), self.w_fp8, self.w_scale, self.w_t_fp8, self.w_t_scale, bias, dtype
+            x.reshape(-1, x.shape[-1]).contiguous(),
+            self.w_fp8,
+            self.w_scale,
+            self.w_t_fp8,
+            self.w_t_scale,
+            bias,
+            dtype,
         )
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def convert_frozen_linears(blocks: list[nn.Module], min_rows: int = 0) -> int:
+def convert_frozen_linears(blocks: list[nn.Module]) -> int:
     """Replace every frozen ``nn.Linear`` inside ``blocks`` (peft's ``base_layer`` under an adapter
     too) whose dimensions are multiples of 16 (the tensor cores' granularity) by a
     :class:`Float8FrozenLinear`; the modulation layers of adaptive norms (``norm*`` names: one row per
-    image, nothing to gain) keep bf16. Returns how many were replaced; ``min_rows`` as in
-    :meth:`Float8FrozenLinear.from_linear`."""
+    image, nothing to gain) keep bf16. Returns how many were replaced."""
     replaced = 0
     for block in blocks:
         for parent_name, parent in list(block.named_modules()):
@@ -154,9 +158,10 @@ def convert_frozen_linears(blocks: list[nn.Module], min_rows: int = 0) -> int:
                 if (
                     type(child) is nn.Linear
                     and not child.weight.requires_grad
+                    and (child.bias is None or not child.bias.requires_grad)  # no gradient reaches it
                     and child.in_features % 16 == 0
                     and child.out_features % 16 == 0
                 ):
-                    setattr(parent, name, Float8FrozenLinear.from_linear(child, min_rows))
+                    setattr(parent, name, Float8FrozenLinear.from_linear(child))
                     replaced += 1
     return replaced

@@ -13,7 +13,12 @@ rollout and the update compute differently would show up as policy change and be
   class, so compiling costs seconds per graph rather than minutes for the whole model. The largest
   lever measured (``benchmarks/results``): the SD3.5-M step twice as fast on an H100. Off by default
   only because the first rollout and update pay for compiling.
+- ``compile_decoder``: the VAE decoder compiled as well (the rollout's decode, about 6% of it at
+  SD3.5-M / 512 px on an H200).
 - ``attention_backend``: the ``scaled_dot_product_attention`` kernel (``torch.nn.attention.sdpa_kernel``).
+- ``fp8_base_matmuls``: the frozen base weights of a LoRA run multiply in float8 (``lit_flowgrpo.fp8``).
+  Not exact against bf16, but the rollout, the update and the reference all use it and each token
+  is quantized alone, so the importance ratio is unaffected; off by default.
 - ``rollout_merged_lora``: sampling (no gradient) runs on a copy of each adapted weight with the LoRA
   delta merged in: one matrix product per layer instead of three. Not exact: the update keeps the
   adapter path, so rollout and update round differently in bf16 (``actor/on_policy_ratio_err``
@@ -61,11 +66,8 @@ class PerformanceSettings:
             alike; adapters, norms and attention stay in ``compute_dtype``. A LoRA run on a GPU with
             float8 tensor cores (Hopper, Ada); the CPU computes the same values without a speed-up.
             Not exact against bf16 (each product rounds its inputs to 3 mantissa bits), so off by
-            default; the on-policy ratio is unaffected (``actor/on_policy_ratio_err``).
-        fp8_min_rows: a product whose input has fewer rows (tokens × images) stays in
-            ``compute_dtype``: on an H200 (``benchmarks/fp8_matmul.py``) float8 is 1.45× to 1.7×
-            faster at 16,384 rows, while at 5,328 (SD3.5's 333 text tokens × 16) its saving is below
-            the cost of quantizing the input. Fewer float8 products also keep the model closer to bf16.
+            default. Every token of every product quantizes with its own scale, whatever the batch,
+            so the on-policy ratio is unaffected (``actor/on_policy_ratio_err``).
         rollout_merged_lora: sample the rollout (and validation) with each LoRA delta merged into a
             copy of its base weight, which costs the memory of the adapted weights (bf16). Not exact
             (see the module docstring): watch ``actor/on_policy_ratio_err``. Single-device and DDP
@@ -78,7 +80,6 @@ class PerformanceSettings:
     compile_decoder: bool = False
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
     fp8_base_matmuls: bool = False
-    fp8_min_rows: int = 8192
     rollout_merged_lora: bool = False
 
     def problems(self, flag: str = "--model.performance") -> list[str]:
@@ -94,8 +95,6 @@ class PerformanceSettings:
             )
         if self.compile_decoder and not self.compile_blocks:
             p.append(f"{flag}.compile_decoder needs {flag}.compile_blocks=true (it uses its compile_backend)")
-        if self.fp8_min_rows < 0:
-            p.append(f"{flag}.fp8_min_rows ({self.fp8_min_rows}) must be 0 or more")
         if self.fp8_base_matmuls and self.rollout_merged_lora:
             p.append(
                 f"{flag}.fp8_base_matmuls and {flag}.rollout_merged_lora: the merged weights would bypass "
@@ -144,11 +143,11 @@ class PerformanceSettings:
         if self.rollout_merged_lora:
             _mergeable_lora_layers(transformer)  # fails now, not at the first rollout
         if self.fp8_base_matmuls:
+            if self.rollout_merged_lora:
+                raise ValueError(next(p for p in self.problems() if "fp8_base_matmuls" in p))
             from lit_flowgrpo.fp8 import convert_frozen_linears
 
-            if not convert_frozen_linears(
-                _repeated_blocks(transformer, "fp8_base_matmuls"), self.fp8_min_rows
-            ):
+            if not convert_frozen_linears(_repeated_blocks(transformer, "fp8_base_matmuls")):
                 raise ValueError(
                     "--model.performance.fp8_base_matmuls: the transformer blocks have no frozen "
                     "linear layer (a full fine-tune trains them all): use it with --model.lora"

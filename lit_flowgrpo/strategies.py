@@ -281,6 +281,11 @@ def strategy_problems(trainer: Any, dm: Any, performance: Any) -> list[str]:
                 "on every rank, which defeats --trainer.strategy=fsdp2: use ddp, or drop it"
             ]
         device = strategy.root_device
+        if device.type == "cuda" and torch.torch_version.TorchVersion(torch.__version__) < (2, 5):
+            return [
+                f"--model.performance.fp8_base_matmuls needs torch 2.5 or newer (a scale per row in "
+                f"torch._scaled_mm); this is {torch.__version__}: upgrade torch or set it to false"
+            ]
         if device.type == "cuda" and not fp8_supported(device):
             return [
                 f"--model.performance.fp8_base_matmuls needs float8 tensor cores (compute capability 8.9+: "

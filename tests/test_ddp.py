@@ -78,7 +78,7 @@ def run(path: str, prompts: str, out: Path, devices: int, fp8: bool = False) -> 
         sampler=Sampler(num_steps=3, eval_num_steps=2, height=32, width=32),
         update=UpdateSettings(micro_batch_size=2, optimizer_steps_per_rollout=1),
         lora=LoraSettings(rank=2, alpha=4),
-        performance=PerformanceSettings(fp8_base_matmuls=fp8, fp8_min_rows=0),
+        performance=PerformanceSettings(fp8_base_matmuls=fp8),
     )
     data = PromptDataModule(train=prompts, prompts_per_step=2, group_size=4, seed=5)
     fit_two_steps(module, data, devices)

@@ -416,14 +416,13 @@ def test_module_trains_with_a_float8_base_and_holds_on_policy(tiny_sd3_path, pro
     from lit_flowgrpo.fp8 import Float8FrozenLinear
     from lit_flowgrpo.performance import PerformanceSettings
 
-    module = make_module(
-        tiny_sd3_path, performance=PerformanceSettings(fp8_base_matmuls=True, fp8_min_rows=0)
-    )
+    # the rollout samples all 8 images in one forward, the update 4 per micro-batch: each token's
+    # float8 operand must not depend on the rows batched with it
+    module = make_module(tiny_sd3_path, performance=PerformanceSettings(fp8_base_matmuls=True), batch_size=8)
     trainer = make_trainer(tmp_path, max_steps=2)
     trainer.fit(module, datamodule=make_data(prompt_file))
     assert any(isinstance(m, Float8FrozenLinear) for m in module.policy.transformer.modules())
     (row,) = [r for r in logged(trainer) if "actor/loss" in r]
-    # the update recomputes the rollout's log-probs through the same float8 products: in float32 on
-    # the CPU the ratio is 1 up to the float32 rounding of a differently batched product
-    assert row["actor/on_policy_ratio_err"] <= 1e-5
+    # fp32 on the CPU, as the plain run above: the update recomputes the rollout's log-probs
+    assert row["actor/on_policy_ratio_err"] <= 1e-6
     assert row["actor/grad_norm"] > 0

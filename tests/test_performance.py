@@ -189,11 +189,15 @@ def test_compiled_decoder_decodes_what_the_eager_decoder_decodes(tiny_sd3_path):
     compiled = SD3Policy(tiny_sd3_path, dtype="float32", max_sequence_length=16)
     for p in (eager, compiled):
         p.load()
+    from torch._dynamo.utils import counters
+
     settings.apply_to_decoder(compiled.vae)
     assert getattr(compiled.vae.decoder, "_compiled_call_impl", None) is not None
     latents = torch.randn((2, *eager.latent_shape(32, 32)), generator=torch.Generator().manual_seed(3))
+    counters.clear()
     with torch.no_grad():
         assert torch.equal(eager.decode(latents), compiled.decode(latents))
+    assert counters["frames"]["ok"] > 0, "the decoder ran without being compiled"
 
 
 def test_compile_decoder_needs_compiled_blocks_and_a_decoder():
