@@ -181,6 +181,31 @@ FLUX_SIZES: dict[str, dict[str, Any]] = {
 SIZES.update(FLUX_SIZES)
 
 
+def _seeded_random_modules(
+    transformer_cls: type, vae_cls: type, spec: dict[str, Any]
+) -> tuple[nn.Module, nn.Module]:
+    """The transformer and VAE of ``spec`` with weights seeded alike on every rank, built in bf16
+    straight on this rank's GPU (never an fp32 or host copy); fp32 on the CPU."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    dtype = torch.bfloat16 if device is not None else torch.float32
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device or "cpu"), torch.random.fork_rng(devices=[device] if device else []):
+            torch.manual_seed(0)
+            transformer = transformer_cls(**spec["transformer"]).requires_grad_(False).eval()
+            vae = vae_cls(**spec["vae"]).requires_grad_(False).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    return transformer, vae
+
+
+def _prompt_rows(device: torch.device, dtype: torch.dtype, key: str, shape: tuple[int, ...]) -> Tensor:
+    """A fixed random tensor per prompt (the same prompt always gets the same embedding)."""
+    gen = torch.Generator(device).manual_seed(zlib.crc32(key.encode()))
+    return torch.randn(shape, generator=gen, device=device).to(dtype)
+
+
 class RandomFluxPolicy(FluxPolicy):
     """:class:`FluxPolicy` on seeded random weights built from a config; prompts map to fixed random
     embeddings of the real shapes (as :class:`RandomSD3Policy`)."""
@@ -203,18 +228,7 @@ class RandomFluxPolicy(FluxPolicy):
             FluxTransformer2DModel,
         )
 
-        spec = SIZES[self.size]
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        dtype = torch.bfloat16 if device is not None else torch.float32
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)  # built in bf16 straight on the GPU: never an fp32 copy
-        try:
-            with torch.device(device or "cpu"), torch.random.fork_rng(devices=[device] if device else []):
-                torch.manual_seed(0)
-                transformer = FluxTransformer2DModel(**spec["transformer"]).requires_grad_(False).eval()
-                vae = AutoencoderKL(**spec["vae"]).requires_grad_(False).eval()
-        finally:
-            torch.set_default_dtype(previous)
+        transformer, vae = _seeded_random_modules(FluxTransformer2DModel, AutoencoderKL, SIZES[self.size])
         scheduler = FlowMatchEulerDiscreteScheduler(
             num_train_timesteps=1000,
             shift=3.0,
@@ -232,12 +246,7 @@ class RandomFluxPolicy(FluxPolicy):
 
     def _encode_rows(self, prompts: list[str]) -> list[Embeds]:
         text = SIZES[self.size]["text"]
-        dtype = next(self.vae.parameters()).dtype
-
-        def rows(key: str, shape: tuple[int, ...]) -> Tensor:
-            gen = torch.Generator(self.device).manual_seed(zlib.crc32(key.encode()))
-            return torch.randn(shape, generator=gen, device=self.device).to(dtype)
-
+        rows = functools.partial(_prompt_rows, self.device, next(self.vae.parameters()).dtype)
         return [
             {
                 "prompt_embeds": rows(p, (1, text["tokens"], text["dim"])),
@@ -269,18 +278,7 @@ class RandomSD3Policy(SD3Policy):
             StableDiffusion3Pipeline,
         )
 
-        spec = SIZES[self.size]
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        dtype = torch.bfloat16 if device is not None else torch.float32
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)  # built in bf16 straight on the GPU: never an fp32 copy
-        try:
-            with torch.device(device or "cpu"), torch.random.fork_rng(devices=[device] if device else []):
-                torch.manual_seed(0)
-                transformer = SD3Transformer2DModel(**spec["transformer"]).requires_grad_(False).eval()
-                vae = AutoencoderKL(**spec["vae"]).requires_grad_(False).eval()
-        finally:
-            torch.set_default_dtype(previous)
+        transformer, vae = _seeded_random_modules(SD3Transformer2DModel, AutoencoderKL, SIZES[self.size])
         scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
         none = dict.fromkeys(
             ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3")
@@ -292,12 +290,7 @@ class RandomSD3Policy(SD3Policy):
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str]) -> Embeds:
         text = SIZES[self.size]["text"]
-        dtype = next(self.vae.parameters()).dtype
-
-        def rows(key: str, shape: tuple[int, ...]) -> Tensor:
-            gen = torch.Generator(self.device).manual_seed(zlib.crc32(key.encode()))
-            return torch.randn(shape, generator=gen, device=self.device).to(dtype)
-
+        rows = functools.partial(_prompt_rows, self.device, next(self.vae.parameters()).dtype)
         return {
             "prompt_embeds": torch.stack([rows(p, (text["tokens"], text["dim"])) for p in prompts]),
             "pooled_prompt_embeds": torch.stack([rows("pooled:" + p, (text["pooled"],)) for p in prompts]),
