@@ -12,10 +12,13 @@ any weight is read); :meth:`load` reads the weights. ``FlowGRPOModule.configure_
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from importlib.metadata import version
 from typing import Any, Literal
 
@@ -122,6 +125,83 @@ def cat_embeds(parts: Sequence[Embeds]) -> Embeds:
 
 def embeds_to(embeds: Embeds, device: torch.device | str) -> Embeds:
     return {k: v.to(device) for k, v in embeds.items()}
+
+
+class PromptCache(OrderedDict[str, Embeds]):
+    """Each prompt's conditioning (batch dimension 1), encoded alone and kept; past ``size`` prompts
+    the least recently used is dropped (``size`` 0 keeps none between calls).
+
+    Alone, not in the batch it first arrives with: an encoder's batched kernels round differently
+    with the batch size (4.8e-7 seen on a CPU for SD3's pooled CLIP output), so batch encoding would
+    make a prompt's conditioning depend on which prompts shared its first batch, that is, on the
+    run's history. A resumed run, whose cache starts empty, would then drift from an uninterrupted
+    one. Encoded alone, a prompt's rows are a function of the prompt: the cache changes speed only.
+    """
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def rows(self, prompts: Sequence[str], encode_one: Callable[[str], Embeds]) -> list[Embeds]:
+        """One conditioning dict per prompt (repeats share rows), encoding each missing prompt once."""
+        found: dict[str, Embeds] = {}
+        for prompt in dict.fromkeys(prompts):
+            if prompt in self:
+                self.move_to_end(prompt)
+                found[prompt] = self[prompt]
+            else:
+                found[prompt] = self[prompt] = encode_one(prompt)
+        while len(self) > self.size:
+            self.popitem(last=False)
+        return [found[p] for p in prompts]
+
+
+_DIFFUSERS_T5_NOTICE = "The following part of your input was truncated because `max_sequence_length`"
+
+
+class T5Truncation:
+    """Warns once per run that prompts are longer than ``max_sequence_length`` T5 tokens, naming the
+    flag, in place of the notice the SD3 and FLUX pipelines print on every encoding call.
+
+    That notice lists, for each prompt of the batch, the tokens from position 76 on (CLIP's limit,
+    not the T5 limit in force), so a batch that holds one long prompt printed ``['', '', '']``: one
+    empty "truncated part" per prompt, negative prompts included.
+    """
+
+    def __init__(self, max_sequence_length: int) -> None:
+        self.max_sequence_length = max_sequence_length
+        self.count = 0  # prompts truncated so far
+
+    @contextmanager
+    def encoding(self, pipe: Any, tokenizer: Any, prompt: str) -> Iterator[None]:
+        """Encode ``prompt`` with ``pipe`` inside this block: its truncation is reported here."""
+        n = len(tokenizer(prompt).input_ids) if tokenizer is not None else 0
+        if n > self.max_sequence_length:
+            self.count += 1
+            if self.count == 1:
+                from lightning.pytorch.utilities import rank_zero_warn
+
+                rank_zero_warn(
+                    f"prompt {prompt[:60]!r}{'...' if len(prompt) > 60 else ''} has {n} T5 tokens; "
+                    f"--model.policy.init_args.max_sequence_length ({self.max_sequence_length}) keeps the "
+                    f"first {self.max_sequence_length} (reported for the first such prompt only)"
+                )
+        quiet = _DropMessages(_DIFFUSERS_T5_NOTICE)
+        logger = logging.getLogger(type(pipe).__module__)  # diffusers' per-module logger
+        logger.addFilter(quiet)
+        try:
+            yield
+        finally:
+            logger.removeFilter(quiet)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
 
 
 class FlowPolicy(nn.Module, ABC):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lit_flowgrpo.policies.base import MMDIT_ATTENTION_PROJECTIONS, DType, Embeds
+from lit_flowgrpo.policies.base import MMDIT_ATTENTION_PROJECTIONS, DType, Embeds, T5Truncation
 from lit_flowgrpo.policies.packed import PackedLatentPolicy
 
 
@@ -57,6 +57,7 @@ class FluxPolicy(PackedLatentPolicy):
         prompt_cache_size: int = 256,
     ) -> None:
         super().__init__(pretrained, dtype, max_sequence_length, prompt_cache_size, max_tokens=512)
+        self._truncation = T5Truncation(max_sequence_length)
         self.guidance_scale = guidance_scale
 
     def problems(self) -> list[str]:
@@ -68,18 +69,16 @@ class FluxPolicy(PackedLatentPolicy):
             )
         return out
 
-    def _encode_rows(self, prompts: list[str]) -> list[Embeds]:
+    def _encode_one(self, prompt: str) -> Embeds:
         """``prompt_embeds`` (1, L, D) from T5 and ``pooled_prompt_embeds`` (1, D') from CLIP."""
-        prompt_embeds, pooled, _ = self.pipe.encode_prompt(
-            prompt=prompts,
-            prompt_2=None,
-            device=self.text_encoder_2.device,
-            max_sequence_length=self.max_sequence_length,
-        )
-        return [
-            {"prompt_embeds": prompt_embeds[i : i + 1], "pooled_prompt_embeds": pooled[i : i + 1]}
-            for i in range(len(prompts))
-        ]
+        with self._truncation.encoding(self.pipe, self.pipe.tokenizer_2, prompt):
+            prompt_embeds, pooled, _ = self.pipe.encode_prompt(
+                prompt=[prompt],
+                prompt_2=None,
+                device=self.text_encoder_2.device,
+                max_sequence_length=self.max_sequence_length,
+            )
+        return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
 
     def velocity(self, latents: Tensor, sigma: Tensor, embeds: Embeds, guidance_scale: float) -> Tensor:
         """v = ε − x0 in the packed layout: one forward, conditioned on ``self.guidance_scale``.

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 from abc import abstractmethod
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +27,7 @@ from lit_flowgrpo.policies.base import (
     DType,
     Embeds,
     FlowPolicy,
+    PromptCache,
     cat_embeds,
     check_family,
     check_pretrained,
@@ -101,7 +101,7 @@ class PackedLatentPolicy(FlowPolicy):
         self._max_tokens = max_tokens
         #: The loaded pipeline (None before :meth:`load`); its components are this policy's submodules.
         self.pipe: Any = None
-        self._cache: OrderedDict[str, Embeds] = OrderedDict()
+        self._cache = PromptCache(prompt_cache_size)
         self._grids: dict[int, tuple[int, int]] = {}
 
     def problems(self) -> list[str]:
@@ -179,30 +179,14 @@ class PackedLatentPolicy(FlowPolicy):
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str]) -> Embeds:
         """Conditioning rows for ``prompts``; each distinct prompt goes through the encoders once."""
-        missing = list(dict.fromkeys(p for p in prompts if p not in self._cache))
-        fresh = dict(zip(missing, self._encode_rows(missing), strict=True)) if missing else {}
-        rows = [fresh[p] if p in fresh else self._cached(p) for p in prompts]
-        for p, e in fresh.items():
-            self._remember(p, e)
-        return self._collate(rows)
+        return self._collate(self._cache.rows(prompts, self._encode_one))
 
     @abstractmethod
-    def _encode_rows(self, prompts: list[str]) -> list[Embeds]:
-        """One conditioning dict per prompt (batch dimension 1), as the pipeline encodes them."""
+    def _encode_one(self, prompt: str) -> Embeds:
+        """One prompt's conditioning (batch dimension 1), as the pipeline encodes it."""
 
     def _collate(self, rows: list[Embeds]) -> Embeds:
         return cat_embeds(rows)
-
-    def _cached(self, prompt: str) -> Embeds:
-        self._cache.move_to_end(prompt)
-        return self._cache[prompt]
-
-    def _remember(self, prompt: str, embeds: Embeds) -> None:
-        if self.prompt_cache_size == 0:
-            return
-        self._cache[prompt] = embeds
-        while len(self._cache) > self.prompt_cache_size:
-            self._cache.popitem(last=False)
 
     # -- geometry -----------------------------------------------------------------------------------
 

@@ -104,13 +104,13 @@ class QwenImagePolicy(PackedLatentPolicy):
 
     # -- prompts ------------------------------------------------------------------------------------
 
-    def _encode_rows(self, prompts: list[str]) -> list[Embeds]:
-        """Each prompt's unpadded (1, L_i, D) hidden states, as ``QwenImagePipeline.encode_prompt``."""
+    def _encode_one(self, prompt: str) -> Embeds:
+        """The prompt's unpadded (1, L, D) hidden states, as ``QwenImagePipeline.encode_prompt``."""
         embeds, mask = self.pipe.encode_prompt(
-            prompt=prompts, device=self.text_encoder.device, max_sequence_length=self.max_sequence_length
+            prompt=[prompt], device=self.text_encoder.device, max_sequence_length=self.max_sequence_length
         )
-        lengths = [embeds.shape[1]] * len(prompts) if mask is None else mask.sum(dim=1).tolist()
-        return [{"prompt_embeds": embeds[i : i + 1, :n]} for i, n in enumerate(lengths)]
+        length = embeds.shape[1] if mask is None else int(mask.sum())
+        return {"prompt_embeds": embeds[:, :length]}
 
     def _collate(self, rows: list[Embeds]) -> Embeds:
         """Pad each prompt with zeros to ``max_sequence_length`` and add the mask (1 = real token)."""

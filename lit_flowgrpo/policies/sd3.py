@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +16,9 @@ from lit_flowgrpo.policies.base import (
     DType,
     Embeds,
     FlowPolicy,
+    PromptCache,
+    T5Truncation,
+    cat_embeds,
     check_family,
     check_pretrained,
     pretrained_dtype_kwargs,
@@ -57,7 +59,8 @@ class SD3Policy(FlowPolicy):
         self.negative_prompt = negative_prompt
         self.prompt_cache_size = prompt_cache_size
         self.pipe: Any = None  # a StableDiffusion3Pipeline once loaded
-        self._cache: OrderedDict[str, tuple[Tensor, Tensor]] = OrderedDict()
+        self._cache = PromptCache(prompt_cache_size)
+        self._truncation = T5Truncation(max_sequence_length)
 
     def problems(self) -> list[str]:
         flag = "--model.policy.init_args.pretrained"
@@ -99,28 +102,20 @@ class SD3Policy(FlowPolicy):
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str]) -> Embeds:
-        missing = list(dict.fromkeys(p for p in prompts if p not in self._cache))
-        if missing:
+        rows = self._cache.rows(prompts, self._encode_one)
+        return cat_embeds(rows)
+
+    def _encode_one(self, prompt: str) -> Embeds:
+        with self._truncation.encoding(self.pipe, self.pipe.tokenizer_3, prompt):
             embeds, _, pooled, _ = self.pipe.encode_prompt(
-                prompt=missing,
+                prompt=[prompt],
                 prompt_2=None,
                 prompt_3=None,
                 device=self.device,
                 do_classifier_free_guidance=False,
                 max_sequence_length=self.max_sequence_length,
             )
-            for i, prompt in enumerate(missing):
-                self._cache[prompt] = (embeds[i], pooled[i])
-        for prompt in prompts:
-            self._cache.move_to_end(prompt)
-        rows = [self._cache[p] for p in prompts]
-        out = {
-            "prompt_embeds": torch.stack([r[0] for r in rows]),
-            "pooled_prompt_embeds": torch.stack([r[1] for r in rows]),
-        }
-        while len(self._cache) > max(self.prompt_cache_size, len(set(prompts)) + 1):
-            self._cache.popitem(last=False)
-        return out
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
     def _negative(self, batch: int) -> Embeds:
         neg = self.encode_prompts([self.negative_prompt])

@@ -22,6 +22,7 @@ from lit_flowgrpo.policies.base import (
     DType,
     Embeds,
     FlowPolicy,
+    PromptCache,
     cat_embeds,
     resolve_dtype,
 )
@@ -63,7 +64,8 @@ class ToyPolicy(FlowPolicy):
         self.shift = shift
         self.unet: UNet2DConditionModel | None = None
         self.text_encoder: ToyTextEncoder | None = None
-        self._cache: dict[str, dict[str, Tensor]] = {}
+        # The world has a few thousand short prompts: all of them stay cached.
+        self._cache = PromptCache(size=1 << 20)
 
     @property
     def checkpoint_path(self) -> str:
@@ -117,18 +119,13 @@ class ToyPolicy(FlowPolicy):
         """
         _, text_encoder = self._loaded()
         device = text_encoder.token_embedding.weight.device
-        new = [p for p in dict.fromkeys(prompts) if p not in self._cache]
-        if new:
-            ids, mask = text_encoder.tokenize(new)
+
+        def encode_one(prompt: str) -> dict[str, Tensor]:
+            ids, mask = text_encoder.tokenize([prompt])
             hidden, pooled = text_encoder(ids.to(device), mask.to(device))
-            for i, prompt in enumerate(new):
-                self._cache[prompt] = {
-                    "text_hidden": hidden[i],
-                    "text_mask": mask[i].to(device),
-                    "text_pooled": pooled[i],
-                }
-        rows = [self._cache[p] for p in prompts]
-        return {key: torch.stack([row[key] for row in rows]).to(device) for key in rows[0]}
+            return {"text_hidden": hidden, "text_mask": mask.to(device), "text_pooled": pooled}
+
+        return cat_embeds(self._cache.rows(prompts, encode_one))
 
     def velocity(self, latents: Tensor, sigma: Tensor, embeds: Embeds, guidance_scale: float) -> Tensor:
         unet, _ = self._loaded()

@@ -141,11 +141,10 @@ def test_prompt_cache_and_padding_independence(policy: ToyPolicy) -> None:
     assert set(policy._cache) == set(PROMPTS)
     policy._cache.clear()
     alone = policy.encode_prompts([PROMPTS[0]])
-    # A short prompt's states do not depend on a longer prompt in the same batch (masking works).
-    # Padded keys get exactly zero attention weight; only the batch size differs, which may change how
-    # a kernel orders its reductions: ~eps of the output's scale per reducing layer of the encoder.
-    bound = _depth(policy.text_encoder) * _EPS32 * together["text_hidden"][0].abs().max()
-    assert (alone["text_hidden"][0] - together["text_hidden"][0]).abs().max() <= bound
+    # A prompt's states do not depend on the other prompts of its batch, to the bit: each prompt is
+    # encoded alone (PromptCache), so batched kernels' rounding cannot enter.
+    for key in together:
+        assert torch.equal(alone[key][0], together[key][0]), key
     repeated = policy.encode_prompts([PROMPTS[0], PROMPTS[0]])
     assert len(policy._cache) == 1
     assert torch.equal(repeated["text_pooled"][0], repeated["text_pooled"][1])
