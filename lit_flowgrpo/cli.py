@@ -81,6 +81,7 @@ class FlowGRPOTrainer(L.Trainer):
         datamodule: L.LightningDataModule | None = None,
         ckpt_path: str | None = None,
         out: str | None = None,
+        overwrite: bool = False,
         use_ema: bool = True,
         weights_only: bool | None = None,
     ) -> None:
@@ -91,17 +92,25 @@ class FlowGRPOTrainer(L.Trainer):
             datamodule: unused (export reads no data).
             ckpt_path: a checkpoint written by ``fit``, or ``last`` for the run's newest one.
             out: folder to write: a LoRA run's adapter (``pipeline.load_lora_weights(out)``), a full
-                fine-tune's transformer (``from_pretrained(out)``).
+                fine-tune's transformer (``from_pretrained(out)``). It must be new or empty unless
+                ``overwrite``.
+            overwrite: replace what ``out`` holds (an earlier export) with this export, wholly: the new
+                export is written beside ``out`` and takes its place once complete.
             use_ema: export the EMA weights if the checkpoint has them.
             weights_only: unused; accepted so that the ``config.yaml`` a ``fit`` run saved loads as is.
         """
         del datamodule, weights_only
         if ckpt_path is None or out is None:
             raise ValueError("export needs ckpt_path (a checkpoint written by `fit`) and out (a folder)")
-        model.load_trainable_checkpoint(ckpt_path, use_ema=use_ema)
         if not hasattr(model, "export"):
             raise ValueError(f"{type(model).__name__} has no export(): nothing to export")
-        rank_zero_info(f"exported {ckpt_path}: {model.export(out)}")
+        # Checked here too (the CLI checks before instantiating) for a Trainer called from Python:
+        # before the checkpoint is read, not after.
+        problems = _out_problems(out, overwrite)
+        if problems:
+            raise SettingsError("; ".join(problems))
+        model.load_trainable_checkpoint(ckpt_path, use_ema=use_ema)
+        rank_zero_info(f"exported {ckpt_path}: {model.export(out, overwrite=overwrite)}")
 
 
 class LogRunConfig(SaveConfigCallback):
@@ -306,7 +315,18 @@ def _export_problems(cfg: Namespace, flowgrpo: bool) -> list[str]:
         problems.append("export: --ckpt_path is required: a checkpoint written by `fit`, or `last`")
     if not cfg.get("out"):
         problems.append("export: --out is required: the folder to write the weights to")
+    else:
+        problems += _out_problems(cfg.out, bool(cfg.get("overwrite")))
     return problems
+
+
+def _out_problems(out: str, overwrite: bool) -> list[str]:
+    from lit_flowgrpo.export import destination_problems
+
+    return [
+        f"export: {p}"
+        for p in destination_problems(str(out), overwrite, path_name="--out", overwrite_name="--overwrite")
+    ]
 
 
 def _checkpoint_callbacks(cfg: Namespace) -> list[Namespace]:
