@@ -8,7 +8,8 @@
 
 Model and data are chosen by ``class_path`` (``FlowGRPOModule`` for RL, the toy pretraining
 module for the base model), and scale comes from the Trainer's own flags
-(``--trainer.strategy=ddp|fsdp``, ``--trainer.devices``, ``--trainer.num_nodes``).
+(``--trainer.strategy=ddp|fsdp2``, ``--trainer.devices``, ``--trainer.num_nodes``; FSDP1,
+``fsdp``, is refused: see :mod:`lit_flowgrpo.strategies`).
 
 What this adds to LightningCLI (the checks run before any class is instantiated, so before any
 weight is read):
@@ -126,8 +127,9 @@ class LogRunConfig(SaveConfigCallback):
         super().__init__(parser, config, save_to_log_dir=False, **kwargs)
 
     def save_config(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        # Rank zero only (Lightning calls this there): no collective calls below.
-        dumped = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
+        # Rank zero only (Lightning calls this there): no collective calls below. skip_unset=False keeps
+        # the None values (jsonargparse's name since 4.49 for skip_none, which 5.0 removes).
+        dumped = yaml.safe_load(self.parser.dump(self.config, skip_unset=False))
         flat = _flatten(dumped)
         for logger in trainer.loggers:
             logger.log_hyperparams(flat)  # starts a W&B run, so its id (the folder name) is known below
@@ -139,7 +141,7 @@ class LogRunConfig(SaveConfigCallback):
         while path.exists():  # a resumed run logging into the same folder keeps the earlier config
             n += 1
             path = folder / f"{stem}-{n}{suffix}"
-        self.parser.save(self.config, str(path), skip_none=False, multifile=self.multifile)
+        self.parser.save(self.config, str(path), skip_unset=False, multifile=self.multifile)
 
 
 class FlowGRPOCLI(LightningCLI):
