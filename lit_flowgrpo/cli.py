@@ -8,7 +8,8 @@
 
 Model and data are chosen by ``class_path`` (``FlowGRPOModule`` for RL, the toy pretraining
 module for the base model), and scale comes from the Trainer's own flags
-(``--trainer.strategy=ddp|fsdp``, ``--trainer.devices``, ``--trainer.num_nodes``).
+(``--trainer.strategy=ddp|fsdp2``, ``--trainer.devices``, ``--trainer.num_nodes``; FSDP1,
+``fsdp``, is refused: see :mod:`lit_flowgrpo.strategies`).
 
 What this adds to LightningCLI (the checks run before any class is instantiated, so before any
 weight is read):
@@ -81,6 +82,7 @@ class FlowGRPOTrainer(L.Trainer):
         datamodule: L.LightningDataModule | None = None,
         ckpt_path: str | None = None,
         out: str | None = None,
+        overwrite: bool = False,
         use_ema: bool = True,
         weights_only: bool | None = None,
     ) -> None:
@@ -91,17 +93,25 @@ class FlowGRPOTrainer(L.Trainer):
             datamodule: unused (export reads no data).
             ckpt_path: a checkpoint written by ``fit``, or ``last`` for the run's newest one.
             out: folder to write: a LoRA run's adapter (``pipeline.load_lora_weights(out)``), a full
-                fine-tune's transformer (``from_pretrained(out)``).
+                fine-tune's transformer (``from_pretrained(out)``). It must be new or empty unless
+                ``overwrite``.
+            overwrite: replace what ``out`` holds (an earlier export) with this export, wholly: the new
+                export is written beside ``out`` and takes its place once complete.
             use_ema: export the EMA weights if the checkpoint has them.
             weights_only: unused; accepted so that the ``config.yaml`` a ``fit`` run saved loads as is.
         """
         del datamodule, weights_only
         if ckpt_path is None or out is None:
             raise ValueError("export needs ckpt_path (a checkpoint written by `fit`) and out (a folder)")
-        model.load_trainable_checkpoint(ckpt_path, use_ema=use_ema)
         if not hasattr(model, "export"):
             raise ValueError(f"{type(model).__name__} has no export(): nothing to export")
-        rank_zero_info(f"exported {ckpt_path}: {model.export(out)}")
+        # Checked here too (the CLI checks before instantiating) for a Trainer called from Python:
+        # before the checkpoint is read, not after.
+        problems = _out_problems(out, overwrite)
+        if problems:
+            raise SettingsError("; ".join(problems))
+        model.load_trainable_checkpoint(ckpt_path, use_ema=use_ema)
+        rank_zero_info(f"exported {ckpt_path}: {model.export(out, overwrite=overwrite)}")
 
 
 class LogRunConfig(SaveConfigCallback):
@@ -117,8 +127,9 @@ class LogRunConfig(SaveConfigCallback):
         super().__init__(parser, config, save_to_log_dir=False, **kwargs)
 
     def save_config(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        # Rank zero only (Lightning calls this there): no collective calls below.
-        dumped = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
+        # Rank zero only (Lightning calls this there): no collective calls below. skip_unset=False keeps
+        # the None values (jsonargparse's name since 4.49 for skip_none, which 5.0 removes).
+        dumped = yaml.safe_load(self.parser.dump(self.config, skip_unset=False))
         flat = _flatten(dumped)
         for logger in trainer.loggers:
             logger.log_hyperparams(flat)  # starts a W&B run, so its id (the folder name) is known below
@@ -130,7 +141,7 @@ class LogRunConfig(SaveConfigCallback):
         while path.exists():  # a resumed run logging into the same folder keeps the earlier config
             n += 1
             path = folder / f"{stem}-{n}{suffix}"
-        self.parser.save(self.config, str(path), skip_none=False, multifile=self.multifile)
+        self.parser.save(self.config, str(path), skip_unset=False, multifile=self.multifile)
 
 
 class FlowGRPOCLI(LightningCLI):
@@ -306,7 +317,18 @@ def _export_problems(cfg: Namespace, flowgrpo: bool) -> list[str]:
         problems.append("export: --ckpt_path is required: a checkpoint written by `fit`, or `last`")
     if not cfg.get("out"):
         problems.append("export: --out is required: the folder to write the weights to")
+    else:
+        problems += _out_problems(cfg.out, bool(cfg.get("overwrite")))
     return problems
+
+
+def _out_problems(out: str, overwrite: bool) -> list[str]:
+    from lit_flowgrpo.export import destination_problems
+
+    return [
+        f"export: {p}"
+        for p in destination_problems(str(out), overwrite, path_name="--out", overwrite_name="--overwrite")
+    ]
 
 
 def _checkpoint_callbacks(cfg: Namespace) -> list[Namespace]:

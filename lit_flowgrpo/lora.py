@@ -12,11 +12,13 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
+from lit_flowgrpo.export import destination_problems, write_folder
 from lit_flowgrpo.policies.base import FlowPolicy
 
 __all__ = ["LoraSettings", "TrainableWeights"]
@@ -194,13 +196,18 @@ class TrainableWeights:
             )
         return state
 
-    def export(self, policy: FlowPolicy, path: str) -> str:
+    def export(self, policy: FlowPolicy, path: str, overwrite: bool = False) -> str:
         """Write what was trained so the family's diffusers pipeline loads it; returns what was written.
 
         LoRA: an adapter for ``pipeline.load_lora_weights(path)``. Full fine-tune: the transformer as a
-        diffusers model folder (``save_pretrained``), for ``from_pretrained(path)``. A sharded
-        transformer is gathered on rank 0, which writes; every rank must call this.
+        diffusers model folder (``save_pretrained``), for ``from_pretrained(path)``. ``path`` must be a
+        new or empty folder unless ``overwrite``, which replaces its contents wholly; the export is
+        written beside it and checked before it takes the folder's place (:mod:`lit_flowgrpo.export`).
+        A sharded transformer is gathered on rank 0, which writes; every rank must call this.
         """
+        problems = destination_problems(path, overwrite)
+        if problems:  # before the gather below, on every rank, so that no rank waits for one that raised
+            raise ValueError("; ".join(problems))
         transformer = policy.transformer
         if self.lora is None and not hasattr(transformer, "save_pretrained"):
             raise ValueError(
@@ -213,7 +220,8 @@ class TrainableWeights:
         if self.lora is None:
             if state is not None:
                 transformer = _unsharded_copy(transformer, state)
-            transformer.save_pretrained(path)
+            names = {name for name, _ in transformer.named_parameters()}
+            write_folder(path, overwrite, transformer.save_pretrained, lambda d: _check_transformer(d, names))
             return f"the fine-tuned transformer ({type(transformer).__name__}) to {path}"
         from peft.utils import get_peft_model_state_dict
 
@@ -221,8 +229,51 @@ class TrainableWeights:
         metadata = {
             k: (sorted(v) if isinstance(v, set) else v) for k, v in self.peft_config.to_dict().items()
         }
-        policy.save_lora(path, lora_state, metadata)
+        write_folder(
+            path,
+            overwrite,
+            lambda d: policy.save_lora(d, lora_state, metadata),
+            lambda d: _check_lora(d, len(lora_state)),
+        )
         return f"the LoRA adapter to {path}"
+
+
+# The file diffusers' `save_lora_weights` writes and `load_lora_weights(folder)` reads.
+LORA_WEIGHTS_FILE = "pytorch_lora_weights.safetensors"
+
+
+def _tensor_names(files: list[Path]) -> set[str]:
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:  # reads the header only
+            names.update(f.keys())
+    return names
+
+
+def _check_lora(folder: str, expected: int) -> None:
+    file = Path(folder) / LORA_WEIGHTS_FILE
+    if not file.is_file():
+        raise RuntimeError(f"the export wrote no {LORA_WEIGHTS_FILE} (it wrote {sorted(os.listdir(folder))})")
+    written = len(_tensor_names([file]))
+    if written != expected:
+        raise RuntimeError(
+            f"the export's {LORA_WEIGHTS_FILE} holds {written} tensors, not the adapter's {expected}"
+        )
+
+
+def _check_transformer(folder: str, parameters: set[str]) -> None:
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not (Path(folder) / "config.json").is_file() or not files:
+        raise RuntimeError(
+            f"the export wrote no config.json and safetensors weights (it wrote {sorted(os.listdir(folder))})"
+        )
+    missing = parameters - _tensor_names(files)
+    if missing:
+        raise RuntimeError(
+            f"the exported transformer lacks {len(missing)} parameters (e.g. {sorted(missing)[:3]})"
+        )
 
 
 def _is_sharded(module: nn.Module) -> bool:

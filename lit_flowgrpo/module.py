@@ -578,15 +578,16 @@ class FlowGRPOModule(L.LightningModule):
         self.configure_model()
         self.load_state_dict(self.weights.read_checkpoint(path, self, use_ema=use_ema), strict=False)
 
-    def export(self, path: str) -> str:
+    def export(self, path: str, overwrite: bool = False) -> str:
         """Write what was trained for the family's diffusers pipeline: the LoRA adapter
         (``pipeline.load_lora_weights(path)``) or, for a full fine-tune, the transformer folder
-        (``from_pretrained(path)``). Returns a line saying what was written."""
+        (``from_pretrained(path)``). ``path`` must be a new or empty folder unless ``overwrite``, which
+        replaces its contents wholly. Returns a line saying what was written."""
         self.configure_model()
-        return self.weights.export(self.policy, path)
+        return self.weights.export(self.policy, path, overwrite=overwrite)
 
-    def export_lora(self, path: str) -> None:
+    def export_lora(self, path: str, overwrite: bool = False) -> None:
         """Write the LoRA adapter (:meth:`export` of a LoRA run)."""
         if self.lora is None:
             raise ValueError("export_lora needs a LoRA run (--model.lora); use export() for a full fine-tune")
-        self.export(path)
+        self.export(path, overwrite=overwrite)

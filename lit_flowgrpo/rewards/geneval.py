@@ -1,24 +1,36 @@
 """GenEval reward: a client for a GenEval scoring server (Mask2Former detection as a separate service).
 
 GenEval (Ghosh et al., 2023) checks object presence, count, colour and position with a detector;
-Flow-GRPO serves it over HTTP (flow_grpo/rewards.py ``geneval_score``) because its mmdet stack
-cannot share an environment with the trainer.
+Flow-GRPO serves it over HTTP (flow_grpo/rewards.py ``geneval_score``, the server being
+yifan123/reward-server's ``app_geneval.py``) because its mmdet stack cannot share an environment with
+the trainer. One POST to the server's root per chunk of ``batch_size`` images.
 
-Wire format (``protocol="json"``, the default), one POST per chunk of ``batch_size`` images::
+``protocol="pickle"`` speaks that published server as shipped (what the GenEval recipes use)::
 
-    request:  {"images": [base64 JPEG|PNG, ...], "image_format": "jpeg",
-               "meta_datas": [{"tag": ..., "include": [...], "exclude": [...], ...}, ...],
-               "only_strict": true}
-    response: {"strict_rewards": [float|null, ...], "rewards": [float|null, ...]}
+    request:  pickle.dumps({"images": [JPEG bytes, ...], "meta_datas": [{...}, ...], "only_strict": bool})
+    response: pickle.dumps({"strict_rewards": [0/1, ...], "scores": [float, ...], "rewards": [0/1, ...],
+                            "group_strict_rewards": {...}, "group_rewards": {...}})
 
-The field names are those of the published server, so porting it means swapping ``pickle`` for
-``json`` and base64; any language can speak it. ``strict_rewards`` is 1 when every requirement of
-the prompt holds, ``rewards`` the fraction that holds (partial credit). ``null`` marks an image
-the server could not score: it becomes NaN here and the sample is dropped, never scored 0.
+Each ``meta_datas`` entry is the prompt's GenEval record (``tag``, ``include``, optionally ``exclude``)
+with its ``prompt``, which the server reads. It opens JPEG only. Of the reply, ``strict_rewards`` (1
+when every requirement of the prompt holds) is the ``strict`` component and ``scores`` (the fraction
+of requirements that hold: partial credit) the ``partial`` one; ``rewards`` (GenEval's original,
+non-strict accuracy, all 0 under ``only_strict``) and the per-tag ``group_*`` are not used.
+Unpickling a reply runs whatever code the reply names, so a malicious or compromised server, or
+anyone who can answer in its place on the network, runs code in the trainer: it also needs
+``allow_pickle=True``, for a server you run yourself, reached over a network you trust.
 
-``protocol="pickle"`` speaks the published server's pickle format unchanged (raw JPEG bytes in,
-a pickled dict out). Unpickling network bytes runs arbitrary code, so it also needs
-``allow_pickle=True``: use it only for a server you run and trust.
+``protocol="json"`` (the default) is the same exchange with nothing executable in it, for a server
+with a small adapter in front of its scoring function (``json.loads`` of the request, base64-decoded
+images, ``json.dumps`` of the same reply dict)::
+
+    request:  {"images": [base64 JPEG|PNG, ...], "image_format": "jpeg"|"png",
+               "meta_datas": [{"prompt": ..., "tag": ..., "include": [...], "exclude": [...]}, ...],
+               "only_strict": true|false}
+    response: {"strict_rewards": [float|null, ...], "scores": [float|null, ...]}   (other keys ignored)
+
+``null`` marks an image the server could not score: it becomes NaN here and the sample is dropped,
+never scored 0.
 """
 
 from __future__ import annotations
@@ -67,13 +79,13 @@ class GenEvalReward:
         url: the server's URL (the published server listens on ``http://127.0.0.1:18085``).
         path: the route requests are posted to.
         primary: the component a bare ``geneval`` weight applies to.
-        only_strict: asks the server to skip partial scoring (faster; the published server then
-            still returns ``rewards``).
+        only_strict: asks the server to skip GenEval's original, non-strict check (faster), which
+            this reward does not use; strict and partial scores come either way.
         batch_size: images per request; chunks go out concurrently.
         image_format: encoding of the images on the wire; ``jpeg`` (PIL's default quality) is what
-            the published client sends.
-        protocol: ``json`` (the format above) or ``pickle`` (the published server, needs
-            ``allow_pickle``).
+            the published client sends and the only one the published server opens.
+        protocol: ``json`` (the format above) or ``pickle`` (the published server as shipped;
+            needs ``allow_pickle``).
         allow_pickle: explicit consent to unpickle the server's replies; only with ``pickle``.
         timeout_s: limit of one request attempt, seconds.
         max_retries: further attempts after a failed one.
@@ -115,6 +127,11 @@ class GenEvalReward:
                 f"{_FLAG}.protocol=pickle unpickles bytes from the network, which can run arbitrary code: "
                 f"set {_FLAG}.allow_pickle=true only for a server you run and trust, or use protocol=json"
             )
+        if protocol == "pickle" and image_format != "jpeg":
+            problems.append(
+                f"{_FLAG}.image_format ({image_format!r}) must be 'jpeg' with protocol=pickle: the published "
+                "server opens JPEG only"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         self.primary = primary
@@ -149,12 +166,17 @@ class GenEvalReward:
                 )
 
     def __call__(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> dict[str, Tensor]:
-        if len(metadata) != images.shape[0]:
-            raise ValueError(f"geneval: {images.shape[0]} images but {len(metadata)} metadata entries")
+        if len(metadata) != images.shape[0] or len(prompts) != images.shape[0]:
+            raise ValueError(
+                f"geneval: {images.shape[0]} images but {len(prompts)} prompts and {len(metadata)} metadata entries"
+            )
         self.check_metadata(metadata)
         pil = to_pil(images)
+        # The server reads each record's prompt (flow_grpo sends whole prompt-file records); the data
+        # module keeps it apart from the metadata, so it goes back in here.
+        records = [{**meta, "prompt": prompt} for meta, prompt in zip(metadata, prompts, strict=True)]
         chunks = [
-            (pil[i : i + self.batch_size], list(metadata[i : i + self.batch_size]))
+            (pil[i : i + self.batch_size], records[i : i + self.batch_size])
             for i in range(0, len(pil), self.batch_size)
         ]
         results = self.endpoint.map(self._score_chunk, chunks)
@@ -200,7 +222,10 @@ class GenEvalReward:
     def _parse(reply: Any, n: int) -> tuple[list[float], list[float]]:
         if not isinstance(reply, dict):
             raise ValueError(f"the GenEval reply must be an object, got {type(reply).__name__}")
-        missing = [k for k in ("strict_rewards", "rewards") if k not in reply]
+        missing = [k for k in ("strict_rewards", "scores") if k not in reply]
         if missing:
-            raise ValueError(f"the GenEval reply lacks {missing}; it has {sorted(reply)}")
-        return _floats(reply["strict_rewards"], n, "strict_rewards"), _floats(reply["rewards"], n, "rewards")
+            raise ValueError(
+                f"the GenEval reply lacks {missing}; it has {sorted(reply)} (partial credit is 'scores': "
+                "the published server's 'rewards' is GenEval's non-strict 0/1 accuracy)"
+            )
+        return _floats(reply["strict_rewards"], n, "strict_rewards"), _floats(reply["scores"], n, "scores")

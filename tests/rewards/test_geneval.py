@@ -2,7 +2,9 @@
 
 The server decodes each image and scores it from its pixels and metadata: ``strict`` = 1 when the
 tag is ``single_object``, ``partial`` = mean pixel value / 255 (exact, PNG on the wire). The test
-computes the same numbers from the tensors on its own.
+computes the same numbers from the tensors on its own. Its root route answers as the published
+server (yifan123/reward-server ``app_geneval.py``) does: pickle in and out, JPEG only, each record's
+``prompt`` read, partial credit under ``scores`` and GenEval's non-strict accuracy under ``rewards``.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ import io
 import json
 import pickle
 import threading
+import traceback
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from PIL import Image
 
 from lit_flowgrpo.rewards import MultiReward, RemoteRewardError, build_reward
@@ -32,9 +37,31 @@ META = [
 ]
 
 
-def _score(image_bytes: bytes, meta: dict) -> tuple[float, float]:
-    pixels = np.asarray(Image.open(io.BytesIO(image_bytes)).convert("RGB"), dtype=np.float64)
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = ["a photo of a cat", "a photo of two dogs", "a photo of a bench", "a photo of a red car"]
+
+
+def _score(image_bytes: bytes, meta: dict, formats: list[str] | None = None) -> tuple[float, float]:
+    pixels = np.asarray(Image.open(io.BytesIO(image_bytes), formats=formats).convert("RGB"), dtype=np.float64)
     return float(meta["tag"] == "single_object"), float(pixels.mean() / 255)
+
+
+def _published_reply(body: bytes) -> dict:
+    """The published server's handling of one request: what it reads, and the reply it builds."""
+    data = pickle.loads(body)
+    only_strict = data["only_strict"]
+    scores = []
+    for image, meta in zip(data["images"], data["meta_datas"], strict=True):
+        _ = meta["prompt"]  # the server reads it for its report: without it, a KeyError and an HTTP 500
+        scores.append(_score(image, meta, formats=["jpeg"]))
+    strict = [s for s, _ in scores]
+    return {
+        "scores": [p for _, p in scores],  # partial credit
+        "rewards": [0.0 if only_strict else s for s in strict],  # GenEval's non-strict 0/1 accuracy
+        "strict_rewards": strict,
+        "group_rewards": {"single_object": strict},
+        "group_strict_rewards": {"single_object": strict},
+    }
 
 
 # /slow answers only once the test releases it, or after this long: far beyond any client timeout
@@ -76,15 +103,11 @@ class GenEvalHandler(BaseHTTPRequestHandler):
             GenEvalHandler.requests += 1
             count = GenEvalHandler.requests
         route = self.path.strip("/")
-        if route == "pickle":
-            data = pickle.loads(body)
-            scores = [_score(img, meta) for img, meta in zip(data["images"], data["meta_datas"], strict=True)]
-            reply = {
-                "strict_rewards": [s for s, _ in scores],
-                "rewards": [p for _, p in scores],
-                "scores": [],
-            }
-            return self._reply(200, pickle.dumps(reply), "application/octet-stream")
+        if route == "":  # the published server
+            try:
+                return self._reply(200, pickle.dumps(_published_reply(body)), "application/octet-stream")
+            except Exception:
+                return self._reply(500, traceback.format_exc().encode(), "text/plain")
         data = json.loads(body)
         images = [base64.b64decode(s) for s in data["images"]]
         metas = data["meta_datas"]
@@ -102,7 +125,7 @@ class GenEvalHandler(BaseHTTPRequestHandler):
         if route == "nulls":
             strict = [None if m["tag"] == "colors" else s for s, m in zip(strict, metas, strict=True)]
             partial = [None if m["tag"] == "colors" else p for p, m in zip(partial, metas, strict=True)]
-        self._reply(200, json.dumps({"strict_rewards": strict, "rewards": partial}).encode())
+        self._reply(200, json.dumps({"strict_rewards": strict, "scores": partial}).encode())
 
 
 # The server and this test compute the same float64 mean of the same integer pixels (exact sums,
@@ -116,6 +139,17 @@ def _expected(images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     partial = (pixels.mean(dim=(1, 2, 3)) / 255).float()
     strict = torch.tensor([float(m["tag"] == "single_object") for m in META])
     return strict, partial
+
+
+def _expected_jpeg(images: torch.Tensor) -> torch.Tensor:
+    """Partial scores of the images as JPEG at PIL's default quality (what the published client sends)."""
+    pixels = (images * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    out = []
+    for array in pixels:
+        buffer = io.BytesIO()
+        Image.fromarray(array).save(buffer, format="JPEG")
+        out.append(_score(buffer.getvalue(), {"tag": ""})[1])
+    return torch.tensor(out, dtype=torch.float32)
 
 
 def _reward(url: str, route: str, **kwargs: object) -> GenEvalReward:
@@ -141,14 +175,42 @@ def test_success_strict_and_partial(server: str, images: torch.Tensor) -> None:
     assert reward.endpoint.last_stats.failures == 0
 
 
-def test_pickle_protocol_needs_explicit_consent(server: str, images: torch.Tensor) -> None:
+def test_pickle_protocol_needs_explicit_consent_and_jpeg(server: str) -> None:
     with pytest.raises(ValueError, match="allow_pickle"):
         GenEvalReward(url=server, protocol="pickle")
-    reward = _reward(server, "pickle", protocol="pickle", allow_pickle=True)
-    out = reward(images, ["p"] * 4, META)
-    strict, partial = _expected(images)
-    torch.testing.assert_close(out["strict"], strict)
-    torch.testing.assert_close(out["partial"], partial, atol=ONE_ULP, rtol=0)
+    with pytest.raises(ValueError, match=r"image_format \('png'\) must be 'jpeg' with protocol=pickle"):
+        GenEvalReward(url=server, protocol="pickle", allow_pickle=True, image_format="png")
+
+
+@pytest.mark.parametrize("only_strict", [True, False])
+def test_pickle_protocol_against_the_published_server(
+    server: str, images: torch.Tensor, only_strict: bool
+) -> None:
+    """Strict from ``strict_rewards``, partial from ``scores`` (not ``rewards``, which under
+    ``only_strict`` is all 0); the server gets each record's prompt, as flow_grpo sends it."""
+    reward = _reward(
+        server, "", protocol="pickle", allow_pickle=True, image_format="jpeg", only_strict=only_strict
+    )
+    out = reward(images, PROMPTS, META)
+    torch.testing.assert_close(out["strict"], _expected(images)[0])
+    torch.testing.assert_close(out["partial"], _expected_jpeg(images), atol=ONE_ULP, rtol=0)
+    assert reward.endpoint.last_stats.failures == 0
+
+
+@pytest.mark.parametrize("recipe", ["sd35m_geneval_flowgrpo.yaml", "sd35m_geneval_grpoguard.yaml"])
+def test_geneval_recipes_speak_the_published_server(server: str, images: torch.Tensor, recipe: str) -> None:
+    reward_args = yaml.safe_load((REPO / "configs" / recipe).read_text())["model"]["init_args"]["reward"][
+        "init_args"
+    ]
+    settings = reward_args["config"]["geneval"]
+    assert settings["protocol"] == "pickle" and settings["allow_pickle"] is True
+    multi = MultiReward(
+        reward_args["weights"], config={"geneval": {**settings, "url": server, "max_retries": 0}}
+    )
+    multi.check()
+    out = multi(images, PROMPTS, META)
+    assert out.failures == {"geneval": 0}
+    torch.testing.assert_close(out.components["geneval/strict"], _expected(images)[0])
 
 
 def test_timeout_gives_nan_not_zero(server: str, images: torch.Tensor, wait_for) -> None:

@@ -1,5 +1,5 @@
 """OCR reward: the score formula against hand-worked values, quote handling, and the real RapidOCR
-engine reading text rendered with PIL (skipped when the ``ocr`` extra is not installed)."""
+engine reading text rendered with PIL (the ``[dev]`` extra installs it, as ``[ocr]`` does; skipped without it)."""
 
 from __future__ import annotations
 
