@@ -205,15 +205,20 @@ class TrainableWeights:
         written beside it and checked before it takes the folder's place (:mod:`lit_flowgrpo.export`).
         A sharded transformer is gathered on rank 0, which writes; every rank must call this.
         """
+        transformer = policy.transformer
+        sharded = _is_sharded(transformer)
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if distributed and not sharded and torch.distributed.get_rank() != 0:
+            # Every rank holds the whole weights: rank 0 writes them, alone (two ranks writing one
+            # folder would race, and a rank checking the folder after rank 0 filled it would refuse).
+            return f"(rank {torch.distributed.get_rank()} wrote nothing: rank 0 writes {path})"
         problems = destination_problems(path, overwrite)
         if problems:  # before the gather below, on every rank, so that no rank waits for one that raised
             raise ValueError("; ".join(problems))
-        transformer = policy.transformer
         if self.lora is None and not hasattr(transformer, "save_pretrained"):
             raise ValueError(
                 f"{type(transformer).__name__} is not a diffusers model: it has no save_pretrained"
             )
-        sharded = _is_sharded(transformer)
         state = _full_state(transformer, trainable_only=self.lora is not None) if sharded else None
         if sharded and torch.distributed.get_rank() != 0:
             return f"(rank {torch.distributed.get_rank()} wrote nothing: rank 0 writes {path})"
