@@ -226,6 +226,17 @@ class FlowGRPOModule(L.LightningModule):
             if self.weights.reference_network is not None:
                 strategy.shard(self.weights.reference_network)
 
+    def on_fit_start(self) -> None:
+        # The frozen text encoders, VAE and reference stay in eval mode on purpose (a frozen network
+        # must not drop out), which Lightning's fit loop reports as "Found N module(s) in eval mode"
+        # on every run. Lightning has no switch for that check, so its message alone is filtered (from
+        # here on, in this process).
+        warnings.filterwarnings(
+            "ignore",
+            message=r"Found \d+ module\(s\) in eval mode at the start of training",
+            category=UserWarning,
+        )
+
     # ----------------------------------------------------------------------------------------------
     # Training
     # ----------------------------------------------------------------------------------------------

@@ -400,6 +400,7 @@ def test_plain_run_has_no_noise_of_ours(lora_run: dict[str, Any]) -> None:
     caught = "\n".join(lora_run["warnings"])
     assert "`IterableDataset` has `__len__` defined" not in caught
     assert "args parameter is intended to run from within Python" not in caught
+    assert "module(s) in eval mode" not in caught  # the frozen parts are in eval mode on purpose
 
 
 def test_clip_range_from_yaml_reaches_its_one_owner(tiny_sd3_path: str, tmp_path: Path, capfd) -> None:

@@ -31,6 +31,19 @@ def test_core_imports_no_toy_module() -> None:
     assert not toy, f"the core loaded toy modules: {toy}"
 
 
+def test_loading_a_policy_prints_no_notice_about_image_processors(tiny_sd3_path: str) -> None:
+    # A fresh interpreter: transformers notes a missing image backend once per process.
+    code = (
+        "import sys\n"
+        "from lit_flowgrpo.policies import SD3Policy\n"
+        "SD3Policy(sys.argv[1], dtype='float32', max_sequence_length=16).load()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, tiny_sd3_path], capture_output=True, text=True, check=True
+    )
+    assert "ImageProcessor" not in done.stderr, done.stderr
+
+
 def test_toy_import_registers_shapes_and_exports_its_policy() -> None:
     import lit_flowgrpo.toy
     from lit_flowgrpo.policies import FlowPolicy

@@ -291,8 +291,18 @@ class FlowPolicy(nn.Module, ABC):
         if not self.pipeline_name:
             raise NotImplementedError(f"{type(self).__name__} has no diffusers pipeline")
         import diffusers
+        from transformers.utils import logging as transformers_logging
 
-        return getattr(diffusers, self.pipeline_name)
+        # Importing a pipeline module imports the image processors its image-conditioned siblings use
+        # (CLIP's, SigLIP's); without torchvision, transformers then notes on every run that it falls
+        # back to their PIL versions. No policy here uses an image processor, so the note says nothing
+        # about this run: it is silenced for the import alone.
+        level = transformers_logging.get_verbosity()
+        transformers_logging.set_verbosity_error()
+        try:
+            return getattr(diffusers, self.pipeline_name)
+        finally:
+            transformers_logging.set_verbosity(level)
 
     def save_lora(self, path: str, lora_state_dict: dict[str, Tensor], adapter_metadata: dict | None) -> None:
         """Write a LoRA adapter that the family's diffusers pipeline loads with ``load_lora_weights``."""
