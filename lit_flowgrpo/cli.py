@@ -8,7 +8,7 @@
 
 Model and data are chosen by ``class_path`` (``FlowGRPOModule`` for RL, the toy pretraining
 module for the base model), and scale comes from the Trainer's own flags
-(``--trainer.strategy=ddp|fsdp``, ``--trainer.devices``, ``--trainer.num_nodes``).
+(``--trainer.strategy=ddp|fsdp2``, ``--trainer.devices``, ``--trainer.num_nodes``).
 
 What this adds to LightningCLI (the checks run before any class is instantiated, so before any
 weight is read):
@@ -22,7 +22,11 @@ weight is read):
   ``last`` would never find it: Lightning #18524);
 - a resumed run whose settings differ from the checkpoint's is refused, listing the differences,
   unless ``--override_checkpoint_settings=true`` (then the command line's values apply);
-- a constructor's own error is reported once, without jsonargparse's wrapping;
+- a constructor's own error is reported once, without jsonargparse's wrapping, and a ``SettingsError``
+  from any later check before the first rollout (``setup``, the strategy) as one message too;
+- strategies FlowGRPOModule cannot run under are refused by name before Lightning's own checks;
+- a command line that does not parse is searched for known mistakes (``cli_diagnosis``), which are
+  reported with the valid choices instead of jsonargparse's report;
 - the full resolved config goes to every logger and to ``config.yaml`` in the run's own log folder.
 """
 
