@@ -23,7 +23,11 @@ weight is read):
   ``last`` would never find it: Lightning #18524);
 - a resumed run whose settings differ from the checkpoint's is refused, listing the differences,
   unless ``--override_checkpoint_settings=true`` (then the command line's values apply);
-- a constructor's own error is reported once, without jsonargparse's wrapping;
+- a constructor's own error is reported once, without jsonargparse's wrapping, and a ``SettingsError``
+  from any later check before the first rollout (``setup``, the strategy) as one message too;
+- strategies FlowGRPOModule cannot run under are refused by name before Lightning's own checks;
+- a command line that does not parse is searched for known mistakes (``cli_diagnosis``), which are
+  reported with the valid choices instead of jsonargparse's report;
 - the full resolved config goes to every logger and to ``config.yaml`` in the run's own log folder.
 """
 
@@ -46,6 +50,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 import lit_flowgrpo.strategies  # noqa: F401  (registers --trainer.strategy=fsdp2)
+from lit_flowgrpo.errors import SettingsError
 
 # The FlowGRPOModule flags that do what Lightning's automatic-optimization flags would do: the module
 # optimizes manually (one rollout feeds several optimizer steps), so the Trainer's versions cannot apply.
@@ -58,13 +63,6 @@ OVERRIDE_FLAG = "override_checkpoint_settings"
 # `--ckpt_path` values Lightning resolves itself (checkpoint_connector); "last" is resolved here first.
 _SPECIAL_CKPT_PATHS = ("best", "hpc")
 _ZIP_MAGIC = b"PK\x03\x04"
-
-
-class SettingsError(ValueError):
-    """A setting the CLI refuses before anything is instantiated, or a constructor's own ``ValueError``.
-
-    ``main()`` prints its message alone (no traceback) and exits with status 2, like a parser error.
-    """
 
 
 class FlowGRPOTrainer(L.Trainer):
@@ -179,7 +177,7 @@ class FlowGRPOCLI(LightningCLI):
         if isinstance(args, (dict, Namespace)):
             self.config = parser.parse_object(args)
         else:
-            self.config = parser.parse_args(args)
+            self.config = _parse_args(parser, args)
         subcommand = self.config.get("subcommand")
         if subcommand:
             self._check_before_instantiation(subcommand, self.config[subcommand])
@@ -192,6 +190,8 @@ class FlowGRPOCLI(LightningCLI):
         model_class = _import(cfg.model.class_path) if cfg.get("model") else None
         flowgrpo = model_class is not None and _is_flowgrpo(model_class)
         problems = _manual_optimization_problems(cfg) if flowgrpo else []
+        if subcommand != "export":  # export builds no strategy, logger or callback
+            problems += (_strategy_problems(cfg) if flowgrpo else []) + _logger_problems(cfg)
         if subcommand == "export":
             problems += _export_problems(cfg, flowgrpo)
         _pin_checkpoint_dirs(cfg)
@@ -307,6 +307,55 @@ def _manual_optimization_problems(cfg: Namespace) -> list[str]:
     return problems
 
 
+def _strategy_problems(cfg: Namespace) -> list[str]:
+    """A strategy FlowGRPOModule cannot run under, refused by its name or class path before the Trainer
+    builds it: Lightning's own checks at that point ("FSDP needs a GPU", "install deepspeed") would
+    otherwise speak first and send the user to fix the wrong thing."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lit_flowgrpo.strategies import unsupported_strategy
+
+    strategy = (cfg.get("trainer") or Namespace()).get("strategy")
+    if isinstance(strategy, Namespace):
+        strategy = strategy.get("class_path")
+    if not isinstance(strategy, str):
+        return []  # an instance (Python use) is judged in FlowGRPOModule.setup
+    if strategy in StrategyRegistry:
+        cls = StrategyRegistry[strategy]["strategy"]
+    elif "." in strategy:
+        try:
+            cls = _import(strategy)
+        except (ImportError, AttributeError, ValueError):
+            return []  # jsonargparse or Lightning names an unknown class
+    else:
+        return []  # "auto" and unknown names are Lightning's to judge
+    why = unsupported_strategy(cls, strategy) if isinstance(cls, type) else None
+    return [why] if why else []
+
+
+def _logger_problems(cfg: Namespace) -> list[str]:
+    """Callbacks that need a logger, refused before any weight is read when ``--trainer.logger=false``
+    (Lightning's LearningRateMonitor would say so only at ``on_train_start``, after the model loaded)."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    trainer = cfg.get("trainer") or Namespace()
+    if trainer.get("logger") is not False:
+        return []
+    callbacks = trainer.get("callbacks") or []
+    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+        path = callback.get("class_path") if isinstance(callback, Namespace) else None
+        try:
+            cls = _import(path) if path else None
+        except (ImportError, AttributeError, ValueError):
+            continue
+        if isinstance(cls, type) and issubclass(cls, LearningRateMonitor):
+            return [
+                f"--trainer.logger=false with {path} in --trainer.callbacks: it logs through a logger; "
+                "keep a logger, or drop the callback"
+            ]
+    return []
+
+
 def _export_problems(cfg: Namespace, flowgrpo: bool) -> list[str]:
     problems = []
     if not flowgrpo:
@@ -329,6 +378,37 @@ def _out_problems(out: str, overwrite: bool) -> list[str]:
         f"export: {p}"
         for p in destination_problems(str(out), overwrite, path_name="--out", overwrite_name="--overwrite")
     ]
+
+
+def _parse_args(parser: LightningArgumentParser, args: Sequence[str] | None) -> Namespace:
+    """``parser.parse_args``, with the mistakes :mod:`lit_flowgrpo.cli_diagnosis` can name said in one
+    message each (the valid choices, the flag that replaced a removed one) instead of jsonargparse's
+    report; any other parse error keeps jsonargparse's usage and message, as before."""
+    from jsonargparse import ArgumentError
+
+    from lit_flowgrpo.cli_diagnosis import diagnose
+
+    parsers = _with_subcommand_parsers(parser)  # each subcommand's parser reports its own errors
+    for each in parsers:
+        each.exit_on_error = False
+    try:
+        return parser.parse_args(args)
+    except ArgumentError as err:
+        problems = diagnose(sys.argv[1:] if args is None else args)
+        if problems:
+            raise SettingsError("\n  ".join(problems)) from None
+        for each in parsers:
+            each.exit_on_error = True
+        parser.error(str(err), err.__cause__ if isinstance(err.__cause__, Exception) else None)
+    finally:
+        for each in parsers:
+            each.exit_on_error = True
+
+
+def _with_subcommand_parsers(parser: Any) -> list[Any]:
+    action = getattr(parser, "_subcommands_action", None)
+    children = list(getattr(action, "_name_parser_map", {}).values()) if action is not None else []
+    return [parser] + [p for child in children for p in _with_subcommand_parsers(child)]
 
 
 def _checkpoint_callbacks(cfg: Namespace) -> list[Namespace]:

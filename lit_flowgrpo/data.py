@@ -20,8 +20,11 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
+
+from lit_flowgrpo.errors import SettingsError
 
 
 @dataclass
@@ -44,29 +47,64 @@ class PromptBatch:
 
 
 def read_prompts(path: str, flag: str) -> list[dict[str, Any]]:
-    """Prompt records from ``.txt`` (one prompt per line) or ``.jsonl`` (a ``prompt`` field plus metadata)."""
+    """Prompt records from ``.txt`` (one prompt per line) or ``.jsonl`` (a ``prompt`` field plus metadata).
+
+    UTF-8 text, with or without a byte-order mark. Raises :class:`SettingsError` naming ``flag``, the
+    file and what is wrong with it.
+    """
+    if os.path.isdir(path):
+        raise SettingsError(f"{flag} ({path}) is a folder: give a .txt (one prompt per line) or .jsonl file")
     if not os.path.isfile(path):
-        raise ValueError(f"{flag} ({path}) does not exist: give a .txt (one prompt per line) or .jsonl file")
+        raise SettingsError(
+            f"{flag} ({path}) does not exist: give a .txt (one prompt per line) or .jsonl file"
+        )
+    if not path.endswith((".txt", ".jsonl")):
+        raise SettingsError(f"{flag} ({path}) must end in .txt (one prompt per line) or .jsonl")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as err:
+        raise SettingsError(f"{flag} ({path}) cannot be read: {err.strerror}") from None
+    text = _decode(raw, path, flag)
     records: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as f:
-        if path.endswith(".jsonl"):
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{flag} ({path}) line {n} is not valid JSON: {e.msg}") from None
-                if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                    raise ValueError(f"{flag} ({path}) line {n} has no string 'prompt' field")
-                records.append(record)
-        elif path.endswith(".txt"):
-            records = [{"prompt": line.strip()} for line in f if line.strip()]
-        else:
-            raise ValueError(f"{flag} ({path}) must end in .txt (one prompt per line) or .jsonl")
+    if path.endswith(".jsonl"):
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SettingsError(
+                    f"{flag} ({path}) line {n} is not valid JSON ({e.msg}, column {e.colno}): each line of a "
+                    '.jsonl file is one object, e.g. {"prompt": "a red cube"}'
+                ) from None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise SettingsError(
+                    f'{flag} ({path}) line {n} has no string "prompt" field: each line is an object such as '
+                    '{"prompt": "a red cube"}'
+                )
+            records.append(record)
+    else:
+        records = [{"prompt": line.strip()} for line in text.splitlines() if line.strip()]
     if not records:
-        raise ValueError(f"{flag} ({path}) holds no prompts: add at least one non-empty line")
+        raise SettingsError(f"{flag} ({path}) holds no prompts: add at least one non-empty line")
     return records
+
+
+def _decode(raw: bytes, path: str, flag: str) -> str:
+    """``raw`` as UTF-8 text (a byte-order mark dropped), or a :class:`SettingsError` saying what it is."""
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        # Windows editors and PowerShell's `>` write UTF-16 with this mark.
+        raise SettingsError(f"{flag} ({path}) is UTF-16 text: save it as UTF-8")
+    if b"\x00" in raw:
+        raise SettingsError(f"{flag} ({path}) is a binary file (it holds NUL bytes): give a UTF-8 text file")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise SettingsError(
+            f"{flag} ({path}) is not UTF-8 text (byte 0x{raw[err.start]:02x} on line {line}): save it as UTF-8"
+        ) from None
 
 
 def _mix(*values: int) -> int:
@@ -257,8 +295,11 @@ class PromptDataModule(L.LightningDataModule):
             problems.append(f"--data.prompts_per_step ({prompts_per_step}) must be at least 1")
         if val_seeds < 1 or val_batch_size < 1:
             problems.append("--data.val_seeds and --data.val_batch_size must be at least 1")
+        if max_val_prompts is not None and max_val_prompts < 1:
+            # A slice by 0 or a negative number would silently drop all or the last validation prompts.
+            problems.append(f"--data.max_val_prompts ({max_val_prompts}) must be at least 1, or null for all")
         if problems:
-            raise ValueError("invalid data settings:\n  " + "\n  ".join(problems))
+            raise SettingsError("invalid data settings:\n  " + "\n  ".join(problems))
         self.train_path = train
         self.val_path = val
         self.prompts_per_step = prompts_per_step
@@ -272,6 +313,7 @@ class PromptDataModule(L.LightningDataModule):
         self.val_records = read_prompts(val, "--data.val") if val else []
         if max_val_prompts is not None:
             self.val_records = self.val_records[:max_val_prompts]
+        _check_distinct(self.train_records, prompts_per_step, train)
         self._next_step = 0
 
     @property
@@ -317,6 +359,32 @@ class PromptDataModule(L.LightningDataModule):
                 "the same seed, or start a new run without --ckpt_path"
             )
         self._next_step = int(state_dict["next_step"])
+
+
+def _check_distinct(records: list[dict[str, Any]], prompts_per_step: int, path: str) -> None:
+    """Refuse more prompts per step than the file has distinct prompts; warn about repeated lines.
+
+    A step draws its M prompts from the sampler's stream of permutations, so with M above the number
+    of prompts one prompt fills two slots of every step: two groups of the same prompt, each
+    normalised on its own, where the user asked for M different prompts. Refused rather than merged
+    into one bigger group, which would silently change the group size the settings name.
+
+    A line repeated in the file is a prompt listed twice: drawn twice as often, and now and then as
+    two groups in one step. That is a way to weight prompts, so it is allowed, with a warning.
+    """
+    distinct = len({json.dumps(r, sort_keys=True) for r in records})
+    if prompts_per_step > distinct:
+        raise SettingsError(
+            f"--data.prompts_per_step ({prompts_per_step}) is more than the {distinct} distinct prompts in "
+            f"--data.train ({path}): a step would hold two groups of one prompt. Set --data.prompts_per_step "
+            f"to at most {distinct} (raise --data.group_size for more samples per step), or add prompts"
+        )
+    if distinct < len(records):
+        rank_zero_warn(
+            f"--data.train ({path}) lists {len(records) - distinct} prompts more than once: each copy is "
+            "drawn as its own prompt (more often, and at times as a second group in the same step); "
+            "remove the copies unless that weighting is meant"
+        )
 
 
 def _identity(batch: Any) -> Any:

@@ -32,6 +32,7 @@ from torchmetrics.aggregation import MeanMetric, SumMetric
 
 from lit_flowgrpo.advantages import AdvantageSettings
 from lit_flowgrpo.data import PromptBatch
+from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.lora import LoraSettings, TrainableWeights
 from lit_flowgrpo.metrics import DiagnosticsSettings, PolicyRatioStats, RewardGroupStats
 from lit_flowgrpo.objective import FlowGRPO, Objective
@@ -114,7 +115,7 @@ class FlowGRPOModule(L.LightningModule):
         self.seed = seed
         problems = self._problems()
         if problems:
-            raise ValueError("invalid FlowGRPOModule settings:\n  " + "\n  ".join(problems))
+            raise SettingsError("invalid FlowGRPOModule settings:\n  " + "\n  ".join(problems))
         self.save_hyperparameters(ignore=["policy", "reward", "objective", "optimizer", "lr_scheduler"])
         # Plain types only in checkpoints (they load with torch.load(weights_only=True)), in the form
         # the CLI parses back.
@@ -150,6 +151,21 @@ class FlowGRPOModule(L.LightningModule):
         """Every settings problem, each naming its flag, found before any weight is read."""
         p = self.sampler.problems() + self.advantage.problems() + self.update.problems()
         p += self.performance.problems()
+        if self.weights.lora is None:
+            # What the performance settings ask of the trained weights, known from the config alone
+            # (PerformanceSettings.apply would find it only once the weights are loaded).
+            for setting, why in (
+                (
+                    "fp8_base_matmuls",
+                    "converts the frozen linear layers, and a full fine-tune trains them all",
+                ),
+                ("rollout_merged_lora", "merges a LoRA adapter, and a full fine-tune has none"),
+            ):
+                if getattr(self.performance, setting):
+                    p.append(
+                        f"--model.performance.{setting} with a full fine-tune (--model.lora=null): it {why}; "
+                        "set --model.lora, or drop the setting"
+                    )
         p += self.objective.problems(self.sampler.sde_type)
         p += self.weights.problems(self.objective.uses_reference)
         p += self.policy.problems() + self.policy.image_size_problems(self.sampler.height, self.sampler.width)
@@ -201,7 +217,7 @@ class FlowGRPOModule(L.LightningModule):
                     problems.append(f"{flag}: ... and {len(found) - 10} more")
         problems += strategy_problems(self.trainer, dm, self.performance)
         if problems:
-            raise ValueError("invalid settings:\n  " + "\n  ".join(problems))
+            raise SettingsError("invalid settings:\n  " + "\n  ".join(problems))
         check = getattr(self.reward, "check", None)
         if callable(check):
             check()  # remote endpoints answer before the first rollout

@@ -37,6 +37,8 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from torch import nn
 
+from lit_flowgrpo.errors import SettingsError
+
 __all__ = ["FSDP2Strategy", "transformer_blocks"]
 
 _FLAG = "--trainer.strategy"
@@ -106,7 +108,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         if self.cpu_offload and self.root_device.type != "cuda":
-            raise ValueError(
+            raise SettingsError(
                 f"{_FLAG}.cpu_offload=true needs GPUs (it moves shards between host and device memory); on "
                 f"{self.root_device.type} drop it"
             )
@@ -249,29 +251,45 @@ StrategyRegistry.register(
 )
 
 
+def unsupported_strategy(cls: type, name: str) -> str | None:
+    """Why ``FlowGRPOModule``'s update cannot run under the strategy class ``cls`` (given as ``name``:
+    a registered alias or a class path), or ``None``.
+
+    Judged from the class alone, so the CLI asks before the Trainer builds the strategy (whose own
+    checks, "needs a GPU" or "install deepspeed", would otherwise speak first), and ``setup`` asks again
+    for a strategy built in Python.
+    """
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    if issubclass(cls, FSDPStrategy):
+        return (
+            f"--trainer.strategy={name} (Lightning's FSDPStrategy, FSDP1) runs training_step inside the root "
+            "module's forward, where the update's backward passes (one per micro-batch and trained step) "
+            "are illegal: use --trainer.strategy=fsdp2 (FSDP2, sharded per transformer block)"
+        )
+    if issubclass(cls, DeepSpeedStrategy):
+        return (
+            f"--trainer.strategy={name} is not supported: DeepSpeed's engine expects one backward per "
+            "forward of the whole module, the update runs many per training step; use "
+            "--trainer.strategy=fsdp2 to shard (or ddp)"
+        )
+    if issubclass(cls, ModelParallelStrategy) and not issubclass(cls, FSDP2Strategy):
+        return (
+            f"--trainer.strategy={name} ({cls.__name__}): FlowGRPOModule applies no tensor parallelism; "
+            "use --trainer.strategy=fsdp2 (data-parallel sharding over all ranks)"
+        )
+    return None
+
+
 def strategy_problems(trainer: Any, dm: Any, performance: Any) -> list[str]:
     """The strategies ``FlowGRPOModule``'s update cannot run under, and what sharding asks of the data
     and the performance settings (checked in ``setup``, before any weight is read)."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
-
     strategy = trainer.strategy
-    if isinstance(strategy, FSDPStrategy):
-        return [
-            "--trainer.strategy=fsdp (Lightning's FSDPStrategy, FSDP1) runs training_step inside the root "
-            "module's forward, where the update's backward passes (one per micro-batch and trained step) "
-            "are illegal: use --trainer.strategy=fsdp2 (FSDP2, sharded per transformer block)"
-        ]
-    if isinstance(strategy, DeepSpeedStrategy):
-        return [
-            f"--trainer.strategy={getattr(strategy, 'strategy_name', 'deepspeed')} is not supported: "
-            "DeepSpeed's engine expects one backward per forward of the whole module, the update runs "
-            "many per training step; use --trainer.strategy=fsdp2 to shard (or ddp)"
-        ]
-    if isinstance(strategy, ModelParallelStrategy) and not isinstance(strategy, FSDP2Strategy):
-        return [
-            f"--trainer.strategy ({type(strategy).__name__}): FlowGRPOModule applies no tensor parallelism; "
-            "use --trainer.strategy=fsdp2 (data-parallel sharding over all ranks)"
-        ]
+    unsupported = unsupported_strategy(
+        type(strategy), getattr(strategy, "strategy_name", None) or type(strategy).__name__
+    )
+    if unsupported:
+        return [unsupported]
     if getattr(performance, "fp8_base_matmuls", False):
         from lit_flowgrpo.fp8 import fp8_supported
 

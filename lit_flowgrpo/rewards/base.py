@@ -22,6 +22,7 @@ shape where it is produced and returns a :class:`RewardOutput`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+
+from lit_flowgrpo.errors import SettingsError
 
 RewardValue = Tensor | dict[str, Tensor]
 
@@ -163,14 +166,24 @@ class MultiReward:
         max_workers: int = 4,
     ) -> None:
         if not weights:
-            raise ValueError("--model.reward.weights is empty: name at least one reward, e.g. {shapes: 1.0}")
+            raise SettingsError(
+                "--model.reward.weights is empty: name at least one reward, e.g. {shapes: 1.0}"
+            )
+        # A NaN weight would make every total NaN: each sample would be dropped as unscored, and the run
+        # would stop only after max_idle_rollouts, blaming the reward.
+        bad = {k: w for k, w in weights.items() if not isinstance(w, (int, float)) or not math.isfinite(w)}
+        if bad:
+            raise SettingsError(
+                f"--model.reward.weights gives {', '.join(f'{k!r} the weight {w!r}' for k, w in bad.items())}: "
+                "each weight must be a finite number (0 computes and logs a reward without training on it)"
+            )
         self.weights = dict(weights)
         self.max_workers = max_workers
         built = dict(rewards or {})
         config = dict(config or {})
         unknown = sorted({k.split("/", 1)[0] for k in self.weights} - set(built) - set(available_rewards()))
         if unknown:
-            raise ValueError(
+            raise SettingsError(
                 f"--model.reward.weights names unregistered rewards {unknown}: {_unknown(unknown)}"
             )
         for key in self.weights:
@@ -178,7 +191,10 @@ class MultiReward:
             if name not in built:
                 built[name] = build_reward(name, **config.pop(name, {}))
         if config:
-            raise ValueError(f"--model.reward.config names rewards without a weight: {sorted(config)}")
+            raise SettingsError(
+                f"--model.reward.config names rewards without a weight: {sorted(config)}: give each a weight "
+                "in --model.reward.weights (0 to only log it), or drop its config"
+            )
         self.rewards: dict[str, Reward] = built
 
     def check(self) -> None:

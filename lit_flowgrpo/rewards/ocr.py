@@ -33,6 +33,7 @@ from PIL import Image
 from torch import Tensor
 from torchmetrics.functional.text import edit_distance
 
+from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.rewards.base import register_reward
 from lit_flowgrpo.rewards.images import to_pil
 
@@ -110,7 +111,7 @@ def _resolve_engine(engine: str | OcrEngine) -> OcrEngine:
         module, _, attr = engine.partition(":")
         factory = getattr(importlib.import_module(module), attr)
         return factory()
-    raise ValueError(
+    raise SettingsError(
         f"{_FLAG}.engine ({engine!r}) must be 'rapidocr', 'package.module:factory' (a callable that "
         "returns an engine), or an engine callable"
     )
@@ -143,7 +144,11 @@ class OCRReward:
 
     def check(self) -> None:
         """Build the engine now, so a missing OCR package fails before the first rollout."""
-        _ = self.engine
+        try:
+            _ = self.engine
+        except ImportError as err:  # a missing package is a setting to fix, said in one message
+            message = str(err) if _FLAG in str(err) else f"{_FLAG}.engine ({self._engine_spec!r}): {err}"
+            raise SettingsError(message) from err
 
     def __call__(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
         if len(prompts) != images.shape[0]:

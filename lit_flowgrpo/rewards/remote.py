@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from lit_flowgrpo.errors import SettingsError
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -158,7 +160,7 @@ class RemoteEndpoint:
             return
         except (urllib.error.URLError, OSError) as err:
             reason = getattr(err, "reason", err)
-            raise ValueError(
+            raise SettingsError(
                 f"{self.url_flag} ({self.url}) is unreachable: {reason}. Start the server, or fix the "
                 "URL/port (the check runs once before the first rollout)"
             ) from err
