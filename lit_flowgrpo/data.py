@@ -176,7 +176,12 @@ class GroupSampler:
         gen = torch.Generator().manual_seed(_mix(self.seed, step, 0x5A3F))
         order = torch.randperm(total, generator=gen)  # sample ids in dealing order
         mine = order[self.rank * self.per_rank : (self.rank + 1) * self.per_rank]
-        group_ids = mine // self.group_size
+        # A step that crosses from one permutation into the next can draw a prompt twice (M ≤ the
+        # number of prompts, but the next permutation may start with the last one's tail): both draws
+        # are one group of 2K, normalised together, named by the first draw's place in the step.
+        first: dict[int, int] = {}
+        group_of_draw = torch.tensor([first.setdefault(p, g) for g, p in enumerate(prompts)])
+        group_ids = group_of_draw[mine // self.group_size]
         return [prompts[g] for g in group_ids.tolist()], group_ids, mine
 
 

@@ -24,12 +24,13 @@ def _draw(sampler: GroupSampler, step: int) -> list[tuple[int, int, int]]:
 
 
 def _stream(sampler: GroupSampler, steps: int) -> list[int]:
-    """The prompt of each group, step after step: the stream the sampler draws prompts from."""
+    """The prompt of each draw, step after step: the stream the sampler draws prompts from (sample id
+    s is the (s // K)-th draw of its step)."""
     out = []
     for step in range(steps):
-        prompt_of = {g: p for _, g, p in _draw(sampler, step)}
+        prompt_of = {s // sampler.group_size: p for s, _, p in _draw(sampler, step)}
         assert sorted(prompt_of) == list(range(sampler.prompts_per_step))
-        out.extend(prompt_of[g] for g in range(sampler.prompts_per_step))
+        out.extend(prompt_of[d] for d in range(sampler.prompts_per_step))
     return out
 
 
@@ -69,6 +70,20 @@ def test_no_prompt_repeats_within_a_cycle() -> None:
     for chunk in chunks:
         assert sorted(chunk) == list(range(NUM_PROMPTS))  # each prompt exactly once per cycle
     assert len({tuple(c) for c in chunks}) == cycles  # and each cycle in a new order
+
+
+def test_a_prompt_drawn_twice_in_a_step_is_one_group() -> None:
+    # 3 prompts, 2 a step: step 1 takes the first permutation's last prompt and the second's first,
+    # which for seed 4 are the same prompt. Its two draws are one group of 2K, not two groups of K
+    # each normalised apart.
+    sampler = GroupSampler(num_prompts=3, prompts_per_step=2, group_size=2, world_size=1, rank=0, seed=4)
+    draw = _draw(sampler, 1)
+    assert len({p for _, _, p in draw}) == 1
+    assert {g for _, g, _ in draw} == {0}  # the first draw's place names the group
+    assert sorted(s for s, _, _ in draw) == [0, 1, 2, 3]  # four samples, each its own noise seed
+    for step in range(12):  # and in general: one group id per prompt, one prompt per group id
+        pairs = {(g, p) for _, g, p in _draw(sampler, step)}
+        assert len(pairs) == len({g for g, _ in pairs}) == len({p for _, p in pairs})
 
 
 def test_more_prompts_per_step_than_prompts_still_cycles() -> None:
