@@ -83,6 +83,17 @@ class MemoryLogger(Logger):
         self.path.write_text(json.dumps(self.rows))
 
 
+class SaveInValidation(L.Callback):
+    """Saves a checkpoint at the end of each validation while the EMA is still swapped in (this
+    callback's hook runs before TrainableEMA's, which comes after it in the list)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.folder / f"in_validation-step={trainer.global_step}.ckpt")
+
+
 def build(config: dict[str, Any]) -> tuple[RecordingModule, PromptDataModule]:
     lora = config.get("lora", True)
     kl_coef = config.get("kl_coef", 0.0)
@@ -121,7 +132,10 @@ def run(config: dict[str, Any]) -> None:
     module, data = build(config)
     throughput = RLThroughputMonitor()
     ema = TrainableEMA(decay=0.9, update_every=1) if config.get("ema", True) else None
-    callbacks: list[L.Callback] = [throughput] + ([ema] if ema is not None else [])
+    callbacks: list[L.Callback] = [throughput]
+    if config.get("save_in_validation"):
+        callbacks.append(SaveInValidation(out / "ckpt"))
+    callbacks += [ema] if ema is not None else []
     if config.get("save_every"):
         callbacks.append(
             ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=config["save_every"], save_top_k=-1)

@@ -166,7 +166,8 @@ def test_fsdp2_full_finetune_saves_resumes_and_exports(tiny_sd3_path, prompt_fil
     )
     base.update(max_grad_norm=1.0, lr=0.05, max_steps=2)
     straight = tmp_path / "straight"
-    finish(torchrun(dict(base, out=str(straight), save_every=1, export=True), tmp_path, "straight"))
+    straight_config = dict(base, out=str(straight), save_every=1, export=True, save_in_validation=True)
+    finish(torchrun(straight_config, tmp_path, "straight"))
     ckpt = straight / "ckpt" / "epoch=0-step=1.ckpt"
     resumed = tmp_path / "resumed"
     finish(torchrun(dict(base, out=str(resumed), resume=str(ckpt)), tmp_path, "resumed"))
@@ -185,6 +186,21 @@ def test_fsdp2_full_finetune_saves_resumes_and_exports(tiny_sd3_path, prompt_fil
     offline_ema = TrainableEMA.weights_from_checkpoint(straight / "ckpt" / "epoch=0-step=2.ckpt")
     for key in a:
         assert torch.equal(offline_ema[key], ema_a[key]), key
+    # A checkpoint saved during validation, with the EMA swapped in, holds the training weights: those
+    # of the checkpoint saved just before the validation, not the EMA.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    def weights(folder: Path) -> dict[str, torch.Tensor]:
+        dcp_to_torch_save(folder, tmp_path / f"{folder.name}.pt")
+        return torch.load(tmp_path / f"{folder.name}.pt")["state_dict"]
+
+    before = weights(straight / "ckpt" / "epoch=0-step=1.ckpt")
+    during = weights(straight / "ckpt" / "in_validation-step=1.ckpt")
+    ema_during = TrainableEMA.weights_from_checkpoint(straight / "ckpt" / "in_validation-step=1.ckpt")
+    assert sorted(before) == sorted(during) == sorted(a)
+    for key in a:
+        assert torch.equal(before[key], during[key]), key
+    assert any(not torch.equal(during[k], ema_during[k]) for k in a)  # the EMA was swapped in then
     assert sorted(rows(resumed)) == [1]  # the resumed run drew step 1, not step 0 again
     assert rows(resumed)[1] == rows(straight)[1]
     assert metrics(straight)[1]["actor/kl_loss"] > 0  # the policy left its sharded frozen reference
