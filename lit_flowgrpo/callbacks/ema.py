@@ -148,8 +148,8 @@ class TrainableEMA(Callback):
         sharded = any(isinstance(v, DTensor) for v in state.values())
         for name, layout, value in zip(self._names, self._layouts, self._ema.temp_stored_params, strict=True):
             if layout.mesh is not None:
-                value = layout.wrap(value.to(layout.device))
-                value = value if sharded else value.full_tensor().cpu()
+                value = value.to(layout.device)
+                value = layout.wrap(value) if sharded else layout.whole(value).cpu()
             if name in state:
                 state[name] = value.detach().clone()
 
@@ -216,13 +216,17 @@ class TrainableEMA(Callback):
     # settings). Keyed by name, fp32 on the CPU, it is copied back value for value: bit-exact resume.
     @override
     def state_dict(self) -> dict[str, Any]:
-        ema = self.ema if self.ema is not None else self._loaded
+        ema = self._loaded
+        if self._ema is not None:
+            # every shadow whole: a collective under FSDP2 (every rank saves the callback's state)
+            shadows = zip(self._names, self._layouts, self._ema.shadow_params, strict=True)
+            ema = {name: layout.whole(shadow) for name, layout, shadow in shadows}
         return {
             "decay": self.decay,
             "update_every": self.update_every,
             "optimizer_steps": self.optimizer_steps,
             "num_updates": self.num_updates,
-            "ema_state_dict": None if ema is None else {k: _full(v).cpu().clone() for k, v in ema.items()},
+            "ema_state_dict": None if ema is None else {k: v.detach().cpu().clone() for k, v in ema.items()},
         }
 
     @override
@@ -370,6 +374,17 @@ class _Layout(NamedTuple):
             local, self.mesh, self.placements, shape=self.shape, stride=self.stride, run_check=False
         )
 
+    def whole(self, local: Tensor) -> Tensor:
+        """The whole tensor of which ``local`` is this rank's shard, on every rank (a collective)."""
+        if self.mesh is None:
+            return local.detach()
+        if local.device.type != self.mesh.device_type:
+            # shards kept in host memory (cpu_offload) are gathered on the mesh's devices
+            kind = self.mesh.device_type
+            index = torch.get_device_module(kind).current_device() if kind != "cpu" else None
+            local = local.to(torch.device(kind, index))
+        return self.wrap(local).full_tensor()
+
 
 def _local(tensor: Tensor) -> Tensor:
     """This rank's part of a parameter: the local shard of a DTensor (a view of its storage), else the
@@ -379,16 +394,10 @@ def _local(tensor: Tensor) -> Tensor:
 
 def _reshard(module: nn.Module) -> None:
     """Free the gathered weights of every FSDP2 unit before the shards are written: a unit kept whole
-    after a forward (``reshard_after_forward=False``, or a forward without backward) would otherwise
-    run its next forward on the weights it gathered before the write."""
+    after a forward (``reshard_after_forward=False``) skips the gather of its next forward, which would
+    then run on the weights gathered before the write. A no-op for a resharded unit."""
     from torch.distributed.fsdp import FSDPModule
 
     for submodule in module.modules():
         if isinstance(submodule, FSDPModule):
             submodule.reshard()
-
-
-def _full(tensor: Tensor) -> Tensor:
-    """The whole tensor: a sharded (FSDP2) shadow is gathered (a collective: every rank
-    saves the callback's state)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
