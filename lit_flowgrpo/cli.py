@@ -369,7 +369,7 @@ def _dirpath(callback: Namespace) -> str | None:
 
 
 def _resolve_ckpt_path(ckpt_path: str, cfg: Namespace) -> str:
-    """The checkpoint file ``--ckpt_path`` names, checked to exist and be complete."""
+    """The checkpoint ``--ckpt_path`` names (a file, or a sharded folder), checked to exist and be complete."""
     ckpt_path = str(ckpt_path)
     if ckpt_path in _SPECIAL_CKPT_PATHS or "://" in ckpt_path or ckpt_path.startswith("registry"):
         return ckpt_path  # resolved by Lightning
