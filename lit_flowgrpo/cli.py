@@ -212,9 +212,12 @@ class FlowGRPOCLI(LightningCLI):
             return
         given = self.config.clone()
         super()._parse_ckpt_path()
+        self._parse_folder_hyperparameters(subcommand)
         settings = _differences(given[subcommand].get("model"), self.config[subcommand].get("model"))
         self.config = given
         cfg = given[subcommand]
+        if subcommand != "export":  # export reads a folder itself, in one process
+            _check_folder_strategy(Path(str(cfg.ckpt_path)), cfg)
         optimizer = _optimizer_differences(cfg)
         if not settings and not optimizer:
             return
@@ -241,6 +244,28 @@ class FlowGRPOCLI(LightningCLI):
                 f"\n  {lines}{why}"
             )
         rank_zero_warn(f"--{OVERRIDE_FLAG}: the command line's settings replace the checkpoint's:\n  {lines}")
+
+    def _parse_folder_hyperparameters(self, subcommand: str) -> None:
+        """Lightning's overlay of a checkpoint's hyper-parameters (``LightningCLI._parse_ckpt_path``) for
+        a sharded checkpoint folder, which Lightning reads only from a file: they are in its ``meta.pt``.
+
+        Written out because Lightning's would load all of ``meta.pt`` (the EMA's tensors included); here
+        it is memory-mapped, so only the small hyper-parameters are read.
+        """
+        path = Path(str(self.config[subcommand].ckpt_path))
+        if not path.is_dir():
+            return
+        import torch
+        from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+        meta = torch.load(path / _METADATA_FILENAME, map_location="cpu", mmap=True, weights_only=True)
+        hparams = dict(meta.get("hyper_parameters") or {})
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        if "_class_path" in hparams:  # the form LightningCLI saves, read back as Lightning does
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
 
     def instantiate_classes(self) -> None:
         try:
@@ -446,7 +471,7 @@ def _dirpath(callback: Namespace) -> str | None:
 
 
 def _resolve_ckpt_path(ckpt_path: str, cfg: Namespace) -> str:
-    """The checkpoint file ``--ckpt_path`` names, checked to exist and be complete."""
+    """The checkpoint ``--ckpt_path`` names (a file, or a sharded folder), checked to exist and be complete."""
     ckpt_path = str(ckpt_path)
     if ckpt_path in _SPECIAL_CKPT_PATHS or "://" in ckpt_path or ckpt_path.startswith("registry"):
         return ckpt_path  # resolved by Lightning
@@ -469,8 +494,7 @@ def _resolve_ckpt_path(ckpt_path: str, cfg: Namespace) -> str:
         raise SettingsError(
             f"--ckpt_path ({ckpt_path}) does not exist: give a checkpoint written by `fit`, or `last`"
         )
-    if path.is_file():
-        _check_complete(path)
+    _check_complete(path)
     return ckpt_path
 
 
@@ -491,7 +515,11 @@ def _last_checkpoints(dirs: list[str]) -> list[str]:
 
 def _check_complete(path: Path) -> None:
     """A torch checkpoint is a zip archive whose central directory is written last: reading it is
-    cheap and fails on a file cut short, where ``torch.load`` would only say ``OSError: [Errno 22]``."""
+    cheap and fails on a file cut short, where ``torch.load`` would only say ``OSError: [Errno 22]``.
+    A sharded checkpoint is a folder: see :func:`_check_complete_folder`."""
+    if path.is_dir():
+        _check_complete_folder(path)
+        return
     if path.stat().st_size == 0:
         raise SettingsError(
             f"--ckpt_path ({path}) is empty: the save was interrupted; use an earlier checkpoint"
@@ -508,6 +536,75 @@ def _check_complete(path: Path) -> None:
             f"--ckpt_path ({path}) is truncated or corrupt (its zip directory is unreadable): the save was "
             "probably interrupted; use an earlier checkpoint"
         ) from None
+
+
+# torch.distributed.checkpoint's index of a sharded checkpoint folder (which entry is in which file).
+_DCP_INDEX = ".metadata"
+
+
+def _check_complete_folder(path: Path) -> None:
+    """A sharded checkpoint folder (``--trainer.strategy=fsdp2``): ``meta.pt`` (everything but the
+    tensors), torch.distributed.checkpoint's index ``.metadata``, and every shard file the index names,
+    at least as long as the entries it places in it. Checked here because a missing shard otherwise
+    surfaces mid-load, on every rank, as a bare ``FileNotFoundError`` or a short read."""
+    import torch.distributed.checkpoint as dcp
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    fix = "copy the whole folder, or use an earlier checkpoint"
+    meta = path / _METADATA_FILENAME
+    if not meta.is_file():
+        raise SettingsError(
+            f"--ckpt_path ({path}) is a folder without {_METADATA_FILENAME} (the run's state besides the "
+            f"weights), so not a complete sharded checkpoint: {fix}"
+        )
+    _check_complete(meta)
+    if not (path / _DCP_INDEX).is_file():
+        raise SettingsError(
+            f"--ckpt_path ({path}) has no {_DCP_INDEX} (the index of its weight shards): the save was "
+            f"interrupted or the folder is incomplete; {fix}"
+        )
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # a pickle cut short or damaged: whatever unpickling raises
+        raise SettingsError(
+            f"--ckpt_path ({path}): its {_DCP_INDEX} is unreadable ({type(err).__name__}): {fix}"
+        ) from None
+    needed: dict[str, int] = {}  # shard file -> the bytes its entries reach
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    missing = sorted(name for name in needed if not (path / name).is_file())
+    if missing:
+        raise SettingsError(
+            f"--ckpt_path ({path}) is missing {', '.join(missing)}, listed in its {_DCP_INDEX} "
+            f"({len(needed)} shard files in all): {fix}"
+        )
+    short = sorted(name for name, size in needed.items() if (path / name).stat().st_size < size)
+    if short:
+        raise SettingsError(
+            f"--ckpt_path ({path}): {', '.join(short)} is shorter than its {_DCP_INDEX} says (truncated): {fix}"
+        )
+
+
+def _check_folder_strategy(path: Path, cfg: Namespace) -> None:
+    """A sharded checkpoint folder loads only under a strategy that reads one (FSDP2 here); the others
+    would fail in Lightning's loader after the model is built, with a message about files."""
+    if not path.is_dir():
+        return
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, StrategyRegistry
+
+    strategy = (cfg.get("trainer") or Namespace()).get("strategy") or "auto"
+    if isinstance(strategy, Namespace) and strategy.get("class_path"):
+        cls, name = _import(strategy.class_path), strategy.class_path
+    else:
+        name = str(strategy)
+        cls = StrategyRegistry[name]["strategy"] if name in StrategyRegistry else None
+    if isinstance(cls, type) and issubclass(cls, (ModelParallelStrategy, FSDPStrategy)):
+        return
+    raise SettingsError(
+        f"--ckpt_path ({path}) is a sharded checkpoint folder, which --trainer.strategy={name} cannot "
+        "load: resume with --trainer.strategy=fsdp2 (on any number of devices), or from a checkpoint file "
+        "(saved with --trainer.strategy.save_distributed_checkpoint=false)"
+    )
 
 
 def _differences(given: Any, overlaid: Any) -> list[tuple[str, Any, Any]]:
@@ -527,17 +624,11 @@ def _optimizer_differences(cfg: Namespace) -> list[tuple[str, Any, Any]]:
     state will restore over the command line's (Lightning loads its ``param_groups``, lr included)."""
     optimizer = cfg.get("model.init_args.optimizer") if cfg.get("model") else None
     path = Path(str(cfg.ckpt_path))
-    if not isinstance(optimizer, Namespace) or not path.is_file():
+    if not isinstance(optimizer, Namespace):
         return []
-    import torch
-
-    try:  # memory-mapped: only the small param_groups are read
-        states = torch.load(path, map_location="cpu", mmap=True, weights_only=True).get("optimizer_states")
-    except Exception:  # not a checkpoint torch can map (legacy format): nothing to compare
+    group = _saved_param_group(path)
+    if group is None:
         return []
-    if not states or not states[0].get("param_groups"):
-        return []
-    group = states[0]["param_groups"][0]
     out = []
     for key, value in (optimizer.get("init_args") or Namespace()).items():
         # With a scheduler the group's lr is the scheduled one; `initial_lr` is the configured one.
@@ -547,6 +638,42 @@ def _optimizer_differences(cfg: Namespace) -> list[tuple[str, Any, Any]]:
         if saved != value:
             out.append((f"{OPTIMIZER_FLAG}.init_args.{key}", value, saved))
     return out
+
+
+def _saved_param_group(path: Path) -> dict[str, Any] | None:
+    """The first optimizer's first parameter group as the checkpoint (file or sharded folder) saved it,
+    without its tensors; None when there is none to compare."""
+    import torch
+
+    if path.is_file():
+        try:  # memory-mapped: only the small param_groups are read
+            states = torch.load(path, map_location="cpu", mmap=True, weights_only=True).get(
+                "optimizer_states"
+            )
+        except Exception:  # not a checkpoint torch can map (legacy format): nothing to compare
+            return None
+        return dict(states[0]["param_groups"][0]) if states and states[0].get("param_groups") else None
+    if not path.is_dir():
+        return None
+    # A folder's meta.pt has no optimizer state: torch.distributed.checkpoint keeps each param-group
+    # setting as its own small pickled entry, which its index locates; only those bytes are read.
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(path))
+    prefix = "optimizer_0.param_groups.0."
+    wanted = {
+        key: None
+        for key in reader.read_metadata().state_dict_metadata
+        if key.startswith(prefix) and key != f"{prefix}params"  # params: the parameters' names
+    }
+    if not wanted:
+        return None
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(wanted, storage_reader=reader, no_dist=True)
+    return {key.removeprefix(prefix): value for key, value in wanted.items()}
 
 
 def _own_error(err: BaseException) -> BaseException:

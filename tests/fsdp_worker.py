@@ -3,7 +3,12 @@
 Run in-process (``run(config)``) or once per rank by torchrun
 (``python -m torch.distributed.run --nproc_per_node=2 tests/fsdp_worker.py CONFIG.json``). It writes
 to ``config["out"]``: each rank's (sample id, reward, advantage) rows per step, rank 0's logged
-metrics, the trained weights gathered whole on rank 0, and (optionally) the exported weights.
+metrics, the trained weights and their EMA gathered whole on rank 0, and (optionally) the exported
+weights.
+
+Validation and the EMA callback are on by default, as in every shipped recipe (configs/tiny_sd3.yaml,
+configs/sd35m_*.yaml): a validation after every rollout with the EMA swapped in, the EMA updated after
+every optimizer step, so each validation runs on averaged weights that differ from the trained ones.
 """
 
 from __future__ import annotations
@@ -78,6 +83,17 @@ class MemoryLogger(Logger):
         self.path.write_text(json.dumps(self.rows))
 
 
+class SaveInValidation(L.Callback):
+    """Saves a checkpoint at the end of each validation while the EMA is still swapped in (this
+    callback's hook runs before TrainableEMA's, which comes after it in the list)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.folder / f"in_validation-step={trainer.global_step}.ckpt")
+
+
 def build(config: dict[str, Any]) -> tuple[RecordingModule, PromptDataModule]:
     lora = config.get("lora", True)
     kl_coef = config.get("kl_coef", 0.0)
@@ -96,7 +112,17 @@ def build(config: dict[str, Any]) -> tuple[RecordingModule, PromptDataModule]:
         reference_copy=not lora and kl_coef > 0,
         optimizer=functools.partial(torch.optim.SGD, lr=config.get("lr", 0.1)),
     )
-    data = PromptDataModule(train=config["prompts"], prompts_per_step=2, group_size=4, seed=5)
+    # Two validation prompts: one per rank on two ranks, one batch of two in one process.
+    val = config["prompts"] if config.get("validate", True) else None
+    data = PromptDataModule(
+        train=config["prompts"],
+        val=val,
+        prompts_per_step=2,
+        group_size=4,
+        seed=5,
+        val_batch_size=2,
+        max_val_prompts=2,
+    )
     return module, data
 
 
@@ -105,9 +131,11 @@ def run(config: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     module, data = build(config)
     throughput = RLThroughputMonitor()
+    ema = TrainableEMA(decay=0.9, update_every=1) if config.get("ema", True) else None
     callbacks: list[L.Callback] = [throughput]
-    if config.get("ema"):
-        callbacks.append(TrainableEMA(decay=0.9, update_every=1))
+    if config.get("save_in_validation"):
+        callbacks.append(SaveInValidation(out / "ckpt"))
+    callbacks += [ema] if ema is not None else []
     if config.get("save_every"):
         callbacks.append(
             ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=config["save_every"], save_top_k=-1)
@@ -126,18 +154,23 @@ def run(config: dict[str, Any]) -> None:
         log_every_n_steps=1,
         enable_progress_bar=False,
         enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+        num_sanity_val_steps=0,  # as the recipes: the first validation comes after the first rollout
+        val_check_interval=1,  # rollouts between validations
+        check_val_every_n_epoch=None,
     )
     trainer.fit(module, datamodule=data, ckpt_path=config.get("resume"))
     # A collective under FSDP2: every rank takes part, rank 0 gets the whole tensors.
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     state = {k: v for k, v in get_model_state_dict(module, options=options).items() if k in trainable}
+    # The callback's checkpoint state: every shadow whole (a collective too).
+    averaged = ema.state_dict()["ema_state_dict"] if ema is not None else None
     if config.get("export"):
         module.export(str(out / "export"))
     if trainer.global_rank == 0:
         torch.save({k: v.detach().cpu() for k, v in state.items()}, out / "trained.pt")
+        if averaged is not None:
+            torch.save(averaged, out / "ema.pt")
     if trainer.global_rank == 0:
         transformer = module.policy.transformer
         info = {

@@ -66,8 +66,9 @@ def metrics(out: Path) -> dict[int, dict[str, float]]:
 # slow: three processes import the package and run two rollouts each (about a minute on 2 shared cores).
 @pytest.mark.slow
 def test_fsdp2_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tmp_path):
-    """Rewards, advantages, ratio statistics, the clipped global gradient norm and the LoRA weights
-    after 2 steps; the adapter exported from the sharded run loads into the diffusers pipeline."""
+    """Rewards, advantages, ratio statistics, the clipped global gradient norm, the LoRA weights and
+    their EMA after 2 steps, and the validations in between (run with the EMA swapped in, as every
+    recipe does); the adapter exported from the sharded run loads into the diffusers pipeline."""
     # Clipping is active (norms are ~5e-3) and the optimizer is SGD, so a wrong global norm (a
     # rank-local one, say) changes the weights; Adam would hide any gradient scale.
     config = dict(pipeline=tiny_sd3_path, prompts=prompt_file, max_grad_norm=1e-3, lr=0.1, max_steps=2)
@@ -114,6 +115,21 @@ def test_fsdp2_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tm
     tol_w = steps * 2 * lr * max_norm * rel_g
     for key in w1:
         assert float((w1[key] - w2[key]).abs().max()) <= tol_w, key
+    # The EMA is a convex combination of the weights after each step (within tol_w of each other), plus
+    # two roundings of the weights' size per update.
+    e1, e2 = torch.load(tmp_path / "single" / "ema.pt"), torch.load(tmp_path / "fsdp" / "ema.pt")
+    assert sorted(e1) == sorted(e2) == sorted(w1)
+    for key in e1:
+        tol_e = tol_w + steps * 2 * EPS32 * float(e1[key].abs().max())
+        assert float((e1[key] - e2[key]).abs().max()) <= tol_e, key
+    assert any(not torch.equal(e2[k], w2[k]) for k in w2)  # the EMA differs from the trained weights
+    # Each validation ran on the EMA: its mean reward, of images made through the same arithmetic.
+    val_key = "val-aux/reward/mean@1"
+    val_steps = sorted(k for k in m1 if val_key in m1[k])
+    assert len(val_steps) == steps and val_steps == sorted(k for k in m2 if val_key in m2[k])
+    for step in val_steps:
+        v = m1[step][val_key]
+        assert m2[step][val_key] == pytest.approx(v, abs=16 * EPS32 * abs(v)), step
 
     info = json.loads((tmp_path / "fsdp" / "info.json").read_text())
     flops = info.pop("flops")
@@ -142,7 +158,7 @@ def test_fsdp2_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tm
 @pytest.mark.slow
 def test_fsdp2_full_finetune_saves_resumes_and_exports(tiny_sd3_path, prompt_file, tmp_path):
     """A full fine-tune with the frozen reference copy (sharded too) and β > 0: a run resumed from its
-    step-1 checkpoint ends with the uninterrupted run's weights, bit for bit; the checkpoint folder
+    step-1 checkpoint ends with the uninterrupted run's weights and EMA, bit for bit; the checkpoint folder
     holds the trainable tensors only; the transformer exported in the run, and offline from the
     checkpoint by a single process, is the trained one."""
     base = dict(
@@ -150,7 +166,8 @@ def test_fsdp2_full_finetune_saves_resumes_and_exports(tiny_sd3_path, prompt_fil
     )
     base.update(max_grad_norm=1.0, lr=0.05, max_steps=2)
     straight = tmp_path / "straight"
-    finish(torchrun(dict(base, out=str(straight), save_every=1, export=True), tmp_path, "straight"))
+    straight_config = dict(base, out=str(straight), save_every=1, export=True, save_in_validation=True)
+    finish(torchrun(straight_config, tmp_path, "straight"))
     ckpt = straight / "ckpt" / "epoch=0-step=1.ckpt"
     resumed = tmp_path / "resumed"
     finish(torchrun(dict(base, out=str(resumed), resume=str(ckpt)), tmp_path, "resumed"))
@@ -159,6 +176,31 @@ def test_fsdp2_full_finetune_saves_resumes_and_exports(tiny_sd3_path, prompt_fil
     assert sorted(a) == sorted(b) and all(k.startswith("policy._transformer.") for k in a)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+    ema_a, ema_b = torch.load(straight / "ema.pt"), torch.load(resumed / "ema.pt")
+    assert sorted(ema_a) == sorted(a)
+    for key in a:
+        assert torch.equal(ema_a[key], ema_b[key]), key
+    # The folder's metadata holds the EMA whole, keyed like the weights, for an offline export.
+    from lit_flowgrpo.callbacks import TrainableEMA
+
+    offline_ema = TrainableEMA.weights_from_checkpoint(straight / "ckpt" / "epoch=0-step=2.ckpt")
+    for key in a:
+        assert torch.equal(offline_ema[key], ema_a[key]), key
+    # A checkpoint saved during validation, with the EMA swapped in, holds the training weights: those
+    # of the checkpoint saved just before the validation, not the EMA.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    def weights(folder: Path) -> dict[str, torch.Tensor]:
+        dcp_to_torch_save(folder, tmp_path / f"{folder.name}.pt")
+        return torch.load(tmp_path / f"{folder.name}.pt")["state_dict"]
+
+    before = weights(straight / "ckpt" / "epoch=0-step=1.ckpt")
+    during = weights(straight / "ckpt" / "in_validation-step=1.ckpt")
+    ema_during = TrainableEMA.weights_from_checkpoint(straight / "ckpt" / "in_validation-step=1.ckpt")
+    assert sorted(before) == sorted(during) == sorted(a)
+    for key in a:
+        assert torch.equal(before[key], during[key]), key
+    assert any(not torch.equal(during[k], ema_during[k]) for k in a)  # the EMA was swapped in then
     assert sorted(rows(resumed)) == [1]  # the resumed run drew step 1, not step 0 again
     assert rows(resumed)[1] == rows(straight)[1]
     assert metrics(straight)[1]["actor/kl_loss"] > 0  # the policy left its sharded frozen reference

@@ -4,6 +4,12 @@ The average itself is diffusers' ``training_utils.EMAModel`` (its update, ``stor
 ``restore`` swap and warm-up formula). This callback adds what a Lightning RL run needs around it:
 the trainable subset by name, the optimizer-step clock, the swap around validation, and a checkpoint
 format keyed by parameter name that resumes bit-exactly.
+
+Under FSDP2 (``--trainer.strategy=fsdp2``) the parameters are DTensors, for which ``torch._foreach_*``
+(what ``EMAModel`` runs) has no sharding rule. The average is elementwise, so each rank averages its own
+shards: the shadows are plain fp32 tensors shaped like this rank's shards, and ``EMAModel`` is handed the
+parameters' local shards (views of their storage). That is the one-process arithmetic value for value,
+with no communication; only the checkpoint state gathers the shadows whole.
 """
 
 from __future__ import annotations
@@ -12,12 +18,13 @@ import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from diffusers.training_utils import EMAModel
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from typing_extensions import override
 
 from lit_flowgrpo.callbacks._module import as_mapping
@@ -31,7 +38,7 @@ class TrainableEMA(Callback):
     Lightning's ``EMAWeightAveraging`` deep-copies the whole LightningModule, frozen base included:
     tens of GB for a 2-12B transformer trained through a LoRA of a few MB. This keeps an fp32 shadow
     of ``{name: p for name, p in pl_module.named_parameters() if p.requires_grad}`` only, on the
-    parameters' devices, in a diffusers ``EMAModel``.
+    parameters' devices, in a diffusers ``EMAModel``; under FSDP2, of this rank's shards only.
 
     Update (flow_grpo's ``EMAModuleWrapper``, ``flow_grpo/ema.py``; diffusers' ``EMAModel.step``
     with its default warm-up): after optimizer step k (k = 1, 2, ...; counted by a post-step hook on
@@ -70,6 +77,7 @@ class TrainableEMA(Callback):
         self.optimizer_steps = 0
         self.num_updates = 0
         self._names: list[str] = []  # the trainable parameters, in the order of the EMA's shadow list
+        self._layouts: list[_Layout] = []  # how each parameter is placed (sharded or not), same order
         self._ema: EMAModel | None = None
         self._loaded: dict[str, Tensor] | None = None  # restored before the module had its parameters
         self._hook: Any = None
@@ -85,11 +93,14 @@ class TrainableEMA(Callback):
 
     @property
     def ema(self) -> dict[str, Tensor] | None:
-        """The averaged weights, ``{name: fp32 tensor}`` (the live shadows, not copies); None before
-        the module has its parameters."""
+        """The averaged weights, ``{name: fp32 tensor}`` (the live shadows, not copies), placed like
+        the parameters (sharded DTensors under FSDP2); None before the module has its parameters."""
         if self._ema is None:
             return None
-        return dict(zip(self._names, self._ema.shadow_params, strict=True))
+        return {
+            name: layout.wrap(shadow)
+            for name, layout, shadow in zip(self._names, self._layouts, self._ema.shadow_params, strict=True)
+        }
 
     # -- hooks ------------------------------------------------------------------------------------
 
@@ -126,14 +137,21 @@ class TrainableEMA(Callback):
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        stored = self._stored()
-        if stored is None or "state_dict" not in checkpoint:
+        if self._ema is None or self._ema.temp_stored_params is None or "state_dict" not in checkpoint:
             return
         # saved while the EMA is swapped in (e.g. from a validation hook): keep the training weights
         # in the model state so that a resume continues from them
-        for name, value in stored.items():
-            if name in checkpoint["state_dict"]:
-                checkpoint["state_dict"][name] = value.detach().clone()
+        state = checkpoint["state_dict"]
+        # FSDP2 saves either each rank's shards (DTensors, a checkpoint folder) or whole tensors on rank 0
+        # only (the other ranks' dicts are empty, so this reads the same on every rank: the gathers
+        # below are collectives that every rank must enter).
+        sharded = any(isinstance(v, DTensor) for v in state.values())
+        for name, layout, value in zip(self._names, self._layouts, self._ema.temp_stored_params, strict=True):
+            if layout.mesh is not None:
+                value = value.to(layout.device)
+                value = layout.wrap(value) if sharded else layout.whole(value).cpu()
+            if name in state:
+                state[name] = value.detach().clone()
 
     # -- the average ------------------------------------------------------------------------------
 
@@ -198,13 +216,17 @@ class TrainableEMA(Callback):
     # settings). Keyed by name, fp32 on the CPU, it is copied back value for value: bit-exact resume.
     @override
     def state_dict(self) -> dict[str, Any]:
-        ema = self.ema if self.ema is not None else self._loaded
+        ema = self._loaded
+        if self._ema is not None:
+            # every shadow whole: a collective under FSDP2 (every rank saves the callback's state)
+            shadows = zip(self._names, self._layouts, self._ema.shadow_params, strict=True)
+            ema = {name: layout.whole(shadow) for name, layout, shadow in shadows}
         return {
             "decay": self.decay,
             "update_every": self.update_every,
             "optimizer_steps": self.optimizer_steps,
             "num_updates": self.num_updates,
-            "ema_state_dict": None if ema is None else {k: _full(v).cpu().clone() for k, v in ema.items()},
+            "ema_state_dict": None if ema is None else {k: v.detach().cpu().clone() for k, v in ema.items()},
         }
 
     @override
@@ -219,9 +241,10 @@ class TrainableEMA(Callback):
             self._loaded = dict(loaded)  # the module's parameters may not exist yet (configure_model)
             return
         self._check_names(set(loaded), set(ema))
+        assert self._ema is not None
         with torch.no_grad():
-            for name, value in loaded.items():
-                ema[name].copy_(_like(value, ema[name]))
+            for name, layout, shadow in zip(self._names, self._layouts, self._ema.shadow_params, strict=True):
+                shadow.copy_(layout.local_copy(loaded[name]))
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -241,10 +264,15 @@ class TrainableEMA(Callback):
     def _trainable(pl_module: nn.Module) -> dict[str, nn.Parameter]:
         return {name: p for name, p in pl_module.named_parameters() if p.requires_grad}
 
-    def _params(self, pl_module: nn.Module) -> list[nn.Parameter]:
+    def _params(self, pl_module: nn.Module) -> list[Tensor]:
+        """The tensors ``EMAModel`` reads and writes: the parameters, or under FSDP2 this rank's shards
+        of them (views: writing one writes the parameter's shard)."""
         # by name, in the shadows' order: EMAModel pairs shadows and parameters by position
         params = dict(pl_module.named_parameters())
-        return [params[name] for name in self._names]
+        # Grad mode on: EMAModel.step averages only tensors that require grad (it copies the others),
+        # and a shard taken under no_grad does not.
+        with torch.enable_grad():
+            return [_local(params[name]) for name in self._names]
 
     @staticmethod
     def _check_names(loaded: set[str], current: set[str]) -> None:
@@ -268,23 +296,20 @@ class TrainableEMA(Callback):
             )
         if self._loaded is not None:
             self._check_names(set(self._loaded), set(params))
-            source = {n: self._loaded[n] for n in params}
+            source: Mapping[str, Tensor] = self._loaded
         else:
-            source = {n: p.detach() for n, p in params.items()}
+            source = params
         # foreach: one fused kernel per update over all tensors (a full fine-tune has hundreds).
         self._ema = EMAModel([], decay=self.decay, min_decay=0.0, update_after_step=0, foreach=True)
         # fp32 shadows built directly: EMAModel would first clone each parameter in its own dtype (a
         # transient bf16 copy of a whole transformer in a full fine-tune), and a resume starts from
         # the saved values, not the module's
-        self._ema.shadow_params = [_like(source[n], p) for n, p in params.items()]
+        self._layouts = [_Layout.of(p) for p in params.values()]
+        self._ema.shadow_params = [
+            layout.local_copy(source[n]) for n, layout in zip(params, self._layouts, strict=True)
+        ]
         self._names = list(params)
         self._loaded = None
-
-    def _stored(self) -> dict[str, Tensor] | None:
-        """The training weights put aside while the EMA is swapped in, by name; None when not swapped."""
-        if self._ema is None or self._ema.temp_stored_params is None:
-            return None
-        return dict(zip(self._names, self._ema.temp_stored_params, strict=True))
 
     @torch.no_grad()
     def _swap_in(self, pl_module: LightningModule) -> None:
@@ -292,15 +317,18 @@ class TrainableEMA(Callback):
         assert self._ema is not None
         if self._ema.temp_stored_params is not None:
             raise RuntimeError("TrainableEMA weights are already swapped in")
+        _reshard(pl_module)
         params = self._params(pl_module)
-        self._ema.store(params)  # to the host: no second copy of the trained weights on the device
+        # To the host, this rank's shards only: no second copy of the trained weights on the device,
+        # and nothing gathered.
+        self._ema.store(params)
         self._ema.copy_to(params)
 
     @torch.no_grad()
     def _swap_out(self, pl_module: LightningModule) -> None:
-        if self._stored() is None:
+        if self._ema is None or self._ema.temp_stored_params is None:
             return
-        assert self._ema is not None
+        _reshard(pl_module)
         self._ema.restore(self._params(pl_module))
 
     def _remove_hook(self) -> None:
@@ -309,20 +337,67 @@ class TrainableEMA(Callback):
             self._hook = None
 
 
-def _full(tensor: Tensor) -> Tensor:
-    """The whole tensor: a sharded (FSDP2) parameter or shadow is gathered (a collective: every rank
-    saves the callback's state)."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
+class _Layout(NamedTuple):
+    """Where a parameter lives: its device, and under FSDP2 its mesh, placements and whole shape."""
+
+    device: torch.device
+    mesh: Any = None  # DeviceMesh, None for an unsharded parameter
+    placements: tuple[Any, ...] = ()
+    shape: torch.Size = torch.Size()
+    stride: tuple[int, ...] = ()
+
+    @staticmethod
+    def of(param: Tensor) -> _Layout:
+        if isinstance(param, DTensor):
+            local = param.to_local()
+            return _Layout(
+                local.device, param.device_mesh, tuple(param.placements), param.shape, param.stride()
+            )
+        return _Layout(param.device)
+
+    def local_copy(self, value: Tensor) -> Tensor:
+        """An fp32 copy of ``value`` (whole, or a DTensor) as this rank holds it: its shard when sharded.
+        A whole ``value`` is on every rank, so cutting out the shard needs no communication."""
+        value = value.detach()
+        if self.mesh is not None:
+            if not isinstance(value, DTensor):
+                value = distribute_tensor(value.float(), self.mesh, self.placements, src_data_rank=None)
+            value = value.to_local()
+        return value.to(device=self.device, dtype=torch.float32, copy=True)
+
+    def wrap(self, local: Tensor) -> Tensor:
+        """This rank's shard as the DTensor it is part of (sharing its storage); ``local`` itself when
+        unsharded."""
+        if self.mesh is None:
+            return local
+        return DTensor.from_local(
+            local, self.mesh, self.placements, shape=self.shape, stride=self.stride, run_check=False
+        )
+
+    def whole(self, local: Tensor) -> Tensor:
+        """The whole tensor of which ``local`` is this rank's shard, on every rank (a collective)."""
+        if self.mesh is None:
+            return local.detach()
+        if local.device.type != self.mesh.device_type:
+            # shards kept in host memory (cpu_offload) are gathered on the mesh's devices
+            kind = self.mesh.device_type
+            index = torch.get_device_module(kind).current_device() if kind != "cpu" else None
+            local = local.to(torch.device(kind, index))
+        return self.wrap(local).full_tensor()
 
 
-def _like(value: Tensor, param: Tensor) -> Tensor:
-    """An fp32 copy of ``value`` placed like ``param``: sharded the same way when ``param`` is a
-    DTensor (every rank holds the whole ``value``, so this needs no communication)."""
-    if hasattr(param, "device_mesh"):
-        from torch.distributed.tensor import DTensor, distribute_tensor
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's part of a parameter: the local shard of a DTensor (a view of its storage), else the
+    parameter itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
-        if isinstance(value, DTensor):
-            return value.detach().to(torch.float32, copy=True)
-        full = value.detach().to(param.device, torch.float32)
-        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-    return value.detach().to(device=param.device, dtype=torch.float32, copy=True)
+
+def _reshard(module: nn.Module) -> None:
+    """Free the gathered weights of every FSDP2 unit before the shards are written: a unit kept whole
+    after a forward (``reshard_after_forward=False``) skips the gather of its next forward, which would
+    then run on the weights gathered before the write. A no-op for a resharded unit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for submodule in module.modules():
+        if isinstance(submodule, FSDPModule):
+            submodule.reshard()
