@@ -191,7 +191,7 @@ class FlowGRPOCLI(LightningCLI):
         flowgrpo = model_class is not None and _is_flowgrpo(model_class)
         problems = _manual_optimization_problems(cfg) if flowgrpo else []
         if subcommand != "export":  # export builds no strategy, logger or callback
-            problems += (_strategy_problems(cfg) if flowgrpo else []) + _logger_problems(cfg)
+            problems += (_strategy_problems(cfg) if flowgrpo else []) + _callback_problems(cfg)
         if subcommand == "export":
             problems += _export_problems(cfg, flowgrpo)
         _pin_checkpoint_dirs(cfg)
@@ -358,27 +358,34 @@ def _strategy_problems(cfg: Namespace) -> list[str]:
     return [why] if why else []
 
 
-def _logger_problems(cfg: Namespace) -> list[str]:
-    """Callbacks that need a logger, refused before any weight is read when ``--trainer.logger=false``
-    (Lightning's LearningRateMonitor would say so only at ``on_train_start``, after the model loaded)."""
-    from lightning.pytorch.callbacks import LearningRateMonitor
+def _callback_problems(cfg: Namespace) -> list[str]:
+    """Callbacks the Trainer's own flags rule out, refused before any weight is read: Lightning says
+    so only once the Trainer is built (a progress bar) or at ``on_train_start`` (a LearningRateMonitor
+    without a logger), as a traceback."""
+    from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 
     trainer = cfg.get("trainer") or Namespace()
-    if trainer.get("logger") is not False:
-        return []
     callbacks = trainer.get("callbacks") or []
+    problems = []
     for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
         path = callback.get("class_path") if isinstance(callback, Namespace) else None
         try:
             cls = _import(path) if path else None
         except (ImportError, AttributeError, ValueError):
             continue
-        if isinstance(cls, type) and issubclass(cls, LearningRateMonitor):
-            return [
+        if not isinstance(cls, type):
+            continue
+        if issubclass(cls, LearningRateMonitor) and trainer.get("logger") is False:
+            problems.append(
                 f"--trainer.logger=false with {path} in --trainer.callbacks: it logs through a logger; "
                 "keep a logger, or drop the callback"
-            ]
-    return []
+            )
+        if issubclass(cls, ProgressBar) and trainer.get("enable_progress_bar") is False:
+            problems.append(
+                f"--trainer.enable_progress_bar=false with {path} in --trainer.callbacks: drop the "
+                "callback from the config to run without a progress bar, or keep the bar"
+            )
+    return problems
 
 
 def _export_problems(cfg: Namespace, flowgrpo: bool) -> list[str]:

@@ -205,6 +205,10 @@ def test_unsupported_strategies_point_to_fsdp2_before_lightning_speaks(run, stra
             ["--trainer.logger=false"],
             r"--trainer\.logger=false with lightning\.pytorch\.callbacks\.LearningRateMonitor",
         ),
+        (
+            ["--trainer.enable_progress_bar=false"],
+            r"--trainer\.enable_progress_bar=false with lit_flowgrpo\.callbacks\.RolloutProgressBar",
+        ),
     ],
     ids=[
         "fp8_full_finetune",
@@ -212,6 +216,7 @@ def test_unsupported_strategies_point_to_fsdp2_before_lightning_speaks(run, stra
         "max_val_prompts_0",
         "max_val_prompts_neg",
         "lr_monitor",
+        "progress_bar_off",
     ],
 )
 def test_config_checks_come_before_loading(run, flags, expected) -> None:

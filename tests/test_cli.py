@@ -16,35 +16,17 @@ import lightning as L
 import pytest
 import torch
 import yaml
+from cli_helpers import PROMPTS, TINY, tiny_fit_args
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from safetensors.torch import load_file
 
 from lit_flowgrpo.cli import FlowGRPOCLI, LogRunConfig, SettingsError, main
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "configs" / "tiny_sd3.yaml"
-PROMPTS = REPO / "configs" / "data" / "tiny_prompts.txt"
 # A module setting the checkpoint records (LightningCLI stores the module's arguments in it).
 KL_FLAG, KL_SAVED = "--model.init_args.objective.init_args.kl_coef", 0.04
 
 
-def _fit_args(pretrained: str, root: Path, *extra: str) -> list[str]:
-    """One rollout (2 optimizer steps), validated and checkpointed, logged to CSV under ``root``."""
-    return [
-        "fit",
-        "--config",
-        str(TINY),
-        f"--model.init_args.policy.init_args.pretrained={pretrained}",
-        f"--data.init_args.train={PROMPTS}",
-        f"--data.init_args.val={PROMPTS}",
-        "--trainer.max_steps=2",
-        "--trainer.val_check_interval=1",
-        "--trainer.enable_model_summary=false",
-        f"--trainer.default_root_dir={root}",
-        "--trainer.logger=CSVLogger",
-        f"--trainer.logger.save_dir={root}",
-        *extra,
-    ]
+_fit_args = tiny_fit_args
 
 
 @pytest.fixture(scope="module")

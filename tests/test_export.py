@@ -15,35 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_helpers import PROMPTS, TINY, tiny_fit_args
 from safetensors.torch import load_file
 
 from lit_flowgrpo.cli import FlowGRPOCLI, main
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "configs" / "tiny_sd3.yaml"
-PROMPTS = REPO / "configs" / "data" / "tiny_prompts.txt"
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
 def _fit(pretrained: str, root: Path, *extra: str) -> dict[str, Path]:
     """One rollout (2 optimizer steps), checkpointed, logged to CSV under ``root``."""
-    FlowGRPOCLI(
-        args=[
-            "fit",
-            "--config",
-            str(TINY),
-            f"--model.init_args.policy.init_args.pretrained={pretrained}",
-            f"--data.init_args.train={PROMPTS}",
-            f"--data.init_args.val={PROMPTS}",
-            "--trainer.max_steps=2",
-            "--trainer.val_check_interval=1",
-            "--trainer.enable_model_summary=false",
-            f"--trainer.default_root_dir={root}",
-            "--trainer.logger=CSVLogger",
-            f"--trainer.logger.save_dir={root}",
-            *extra,
-        ]
-    )
+    FlowGRPOCLI(args=tiny_fit_args(pretrained, root, *extra))
     return {"config": next(root.rglob("config.yaml")), "ckpt": root / "checkpoints" / "last.ckpt"}
 
 

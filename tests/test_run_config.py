@@ -8,13 +8,10 @@ from pathlib import Path
 
 import lightning as L
 import yaml
+from cli_helpers import PROMPTS, TINY
 from jsonargparse import Namespace
 
 from lit_flowgrpo.cli import FlowGRPOCLI, LogRunConfig
-
-REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "configs" / "tiny_sd3.yaml"
-PROMPTS = REPO / "configs" / "data" / "tiny_prompts.txt"
 
 
 def test_saved_config_keeps_none_values_without_deprecated_arguments(

@@ -17,12 +17,10 @@ from typing import Any
 
 import pytest
 import yaml
+from cli_helpers import tiny_fit_args
 
 from lit_flowgrpo.cli import FlowGRPOCLI, main
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "configs" / "tiny_sd3.yaml"
-PROMPTS = REPO / "configs" / "data" / "tiny_prompts.txt"
 KL_FLAG, KL_SAVED = "--model.init_args.objective.init_args.kl_coef", 0.04
 LR_FLAG, LR_SAVED = "--model.init_args.optimizer.init_args.lr", 3e-4
 
@@ -30,22 +28,7 @@ LR_FLAG, LR_SAVED = "--model.init_args.optimizer.init_args.lr", 3e-4
 def _fit_args(pretrained: str, root: Path, *extra: str) -> list[str]:
     """One rollout (2 optimizer steps) of configs/tiny_sd3.yaml under fsdp2, validated (with the EMA
     swapped in, as configured there) and checkpointed into ``root``/checkpoints."""
-    return [
-        "fit",
-        "--config",
-        str(TINY),
-        f"--model.init_args.policy.init_args.pretrained={pretrained}",
-        f"--data.init_args.train={PROMPTS}",
-        f"--data.init_args.val={PROMPTS}",
-        "--trainer.max_steps=2",
-        "--trainer.val_check_interval=1",
-        "--trainer.enable_model_summary=false",
-        f"--trainer.default_root_dir={root}",
-        "--trainer.logger=CSVLogger",
-        f"--trainer.logger.save_dir={root}",
-        "--trainer.strategy=fsdp2",
-        *extra,
-    ]
+    return tiny_fit_args(pretrained, root, "--trainer.strategy=fsdp2", *extra)
 
 
 @pytest.fixture(scope="module")
