@@ -39,7 +39,7 @@ from torch import nn
 
 from lit_flowgrpo.errors import SettingsError
 
-__all__ = ["FSDP2Strategy", "transformer_blocks"]
+__all__ = ["FSDP2Strategy", "reshard", "transformer_blocks"]
 
 _FLAG = "--trainer.strategy"
 
@@ -51,6 +51,24 @@ def transformer_blocks(module: nn.Module) -> list[nn.Module]:
     transformers; the down/up blocks of a U-Net).
     """
     return [block for child in module.children() if isinstance(child, nn.ModuleList) for block in child]
+
+
+def reshard(module: nn.Module) -> None:
+    """Reshard every FSDP2 unit in ``module``: free its gathered weights and register its shards again.
+
+    Needed before reading or writing parameters outside a forward/backward pair. A unit built with
+    ``reshard_after_forward=False`` stays gathered after a forward until its backward (for good after a
+    forward under ``torch.no_grad``, which has none), with its gathered, plain tensors registered as its
+    parameters:
+    ``module.parameters()`` then yields those, not the sharded ones the optimizer holds, so a gradient
+    set or cleared through them misses the shards; and a write to the shards goes unseen by the next
+    forward, which skips the gather. A no-op for a resharded unit and for a module without FSDP2.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for submodule in module.modules():
+        if isinstance(submodule, FSDPModule):
+            submodule.reshard()
 
 
 class FSDP2Strategy(ModelParallelStrategy):

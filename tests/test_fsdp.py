@@ -63,25 +63,76 @@ def metrics(out: Path) -> dict[int, dict[str, float]]:
     return {int(k): v for k, v in json.loads((out / "metrics.json").read_text()).items()}
 
 
-# slow: three processes import the package and run two rollouts each (about a minute on 2 shared cores).
+# slow: five processes import the package and run two rollouts each (about a minute on 2 shared cores).
 @pytest.mark.slow
 def test_fsdp2_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tmp_path):
     """Rewards, advantages, ratio statistics, the clipped global gradient norm, the LoRA weights and
     their EMA after 2 steps, and the validations in between (run with the EMA swapped in, as every
-    recipe does); the adapter exported from the sharded run loads into the diffusers pipeline."""
+    recipe does), in both sharding modes: units resharded after each forward (the default, here with
+    activation checkpointing) and kept gathered until their backward (``reshard_after_forward=False``);
+    the adapter exported from the sharded run loads into the diffusers pipeline."""
     # Clipping is active (norms are ~5e-3) and the optimizer is SGD, so a wrong global norm (a
     # rank-local one, say) changes the weights; Adam would hide any gradient scale.
     config = dict(pipeline=tiny_sd3_path, prompts=prompt_file, max_grad_norm=1e-3, lr=0.1, max_steps=2)
     lr, max_norm, steps = 0.1, 1e-3, 2
-    sharded = dict(config, out=str(tmp_path / "fsdp"), devices=2, export=True)
-    sharded["strategy"] = dict(activation_checkpointing=True)  # recomputation is exact: same numbers
-    proc = torchrun(sharded, tmp_path, "fsdp")
+    strategies = {
+        "fsdp": dict(activation_checkpointing=True),  # recomputation is exact: same numbers
+        # Units stay gathered after every forward (the FLOP count's, the rollout's, validation's): code
+        # that reads parameters outside a forward/backward pair sees the gathered copies unless it
+        # reshards first (the FLOP count's backward once leaked into step 0's gradient so).
+        "zero2": dict(reshard_after_forward=False),
+    }
+    procs = [
+        torchrun(
+            dict(config, out=str(tmp_path / name), devices=2, export=name == "fsdp", strategy=s),
+            tmp_path,
+            name,
+        )
+        for name, s in strategies.items()
+    ]
     fsdp_worker.run(dict(config, out=str(tmp_path / "single")))
-    finish(proc)
+    for proc in procs:
+        finish(proc)
+    for name in strategies:
+        check_equal_single(tmp_path / "single", tmp_path / name, lr=lr, max_norm=max_norm, steps=steps)
+    info = json.loads((tmp_path / "fsdp" / "info.json").read_text())
+    flops = info.pop("flops")
+    assert info == {"sharded_blocks": 2, "dtensor_params": True, "gradient_checkpointing": True}
+    # RLThroughputMonitor counted the sharded transformer's FLOPs: the forward is the unsharded
+    # model's; forward + backward adds the blocks' recomputation (activation checkpointing), at most
+    # one more forward.
+    fwd, fwd_bwd = json.loads((tmp_path / "single" / "info.json").read_text())["flops"]
+    assert flops[0] == fwd > 0
+    assert fwd_bwd < flops[1] < fwd_bwd + fwd
+    # Without recomputation the sharded counts are the unsharded model's (gathers are no FLOPs).
+    zero2 = json.loads((tmp_path / "zero2" / "info.json").read_text())
+    assert zero2 == {
+        "sharded_blocks": 2,
+        "dtensor_params": True,
+        "gradient_checkpointing": False,
+        "flops": [fwd, fwd_bwd],
+    }
+    from diffusers import StableDiffusion3Pipeline
 
-    single, fsdp = rows(tmp_path / "single"), rows(tmp_path / "fsdp")
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_path)
+    pipe.load_lora_weights(str(tmp_path / "fsdp" / "export"))
+    w2 = torch.load(tmp_path / "fsdp" / "trained.pt")
+
+    # Keys without the adapter's name ("default" in training, "default_0" once loaded).
+    def plain(key: str) -> str:
+        return re.sub(r"\.(lora_[AB])\.[^.]+\.", r".\1.", key.removeprefix("policy._transformer."))
+
+    loaded = {plain(k): v for k, v in pipe.transformer.named_parameters() if "lora_" in k}
+    assert sorted(loaded) == sorted(plain(k) for k in w2)
+    for key, value in w2.items():
+        assert torch.equal(loaded[plain(key)], value), key
+
+
+def check_equal_single(single_out: Path, sharded_out: Path, lr: float, max_norm: float, steps: int) -> None:
+    """A sharded run's numbers against the single process's, within the fp32 arithmetic bounds below."""
+    single, fsdp = rows(single_out), rows(sharded_out)
     assert sorted(single) == sorted(fsdp) == [0, 1]
-    m1, m2 = metrics(tmp_path / "single"), metrics(tmp_path / "fsdp")
+    m1, m2 = metrics(single_out), metrics(sharded_out)
     for step in single:
         assert sorted(single[step]) == sorted(fsdp[step]) == list(range(8))
         r = torch.tensor([single[step][s][0] for s in range(8)], dtype=torch.float64)
@@ -107,8 +158,8 @@ def test_fsdp2_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tm
         # ratios are exp(log p − log p_old) of equal per-sample numbers: a few roundings around 1.
         assert m2[0][key] == pytest.approx(m1[0][key], abs=8 * EPS32), key
 
-    w1 = torch.load(tmp_path / "single" / "trained.pt")
-    w2 = torch.load(tmp_path / "fsdp" / "trained.pt")
+    w1 = torch.load(single_out / "trained.pt")
+    w2 = torch.load(sharded_out / "trained.pt")
     assert sorted(w1) == sorted(w2) and any("lora_B" in k for k in w1)
     # SGD with a clipped step: each update is lr·max_norm·g/|g|, so per step it moves by at most
     # 2·lr·max_norm·(relative gradient error).
@@ -117,7 +168,7 @@ def test_fsdp2_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tm
         assert float((w1[key] - w2[key]).abs().max()) <= tol_w, key
     # The EMA is a convex combination of the weights after each step (within tol_w of each other), plus
     # two roundings of the weights' size per update.
-    e1, e2 = torch.load(tmp_path / "single" / "ema.pt"), torch.load(tmp_path / "fsdp" / "ema.pt")
+    e1, e2 = torch.load(single_out / "ema.pt"), torch.load(sharded_out / "ema.pt")
     assert sorted(e1) == sorted(e2) == sorted(w1)
     for key in e1:
         tol_e = tol_w + steps * 2 * EPS32 * float(e1[key].abs().max())
@@ -130,29 +181,6 @@ def test_fsdp2_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tm
     for step in val_steps:
         v = m1[step][val_key]
         assert m2[step][val_key] == pytest.approx(v, abs=16 * EPS32 * abs(v)), step
-
-    info = json.loads((tmp_path / "fsdp" / "info.json").read_text())
-    flops = info.pop("flops")
-    assert info == {"sharded_blocks": 2, "dtensor_params": True, "gradient_checkpointing": True}
-    # RLThroughputMonitor counted the sharded transformer's FLOPs: the forward is the unsharded
-    # model's; forward + backward adds the blocks' recomputation (activation checkpointing), at most
-    # one more forward.
-    fwd, fwd_bwd = json.loads((tmp_path / "single" / "info.json").read_text())["flops"]
-    assert flops[0] == fwd > 0
-    assert fwd_bwd < flops[1] < fwd_bwd + fwd
-    from diffusers import StableDiffusion3Pipeline
-
-    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_path)
-    pipe.load_lora_weights(str(tmp_path / "fsdp" / "export"))
-
-    # Keys without the adapter's name ("default" in training, "default_0" once loaded).
-    def plain(key: str) -> str:
-        return re.sub(r"\.(lora_[AB])\.[^.]+\.", r".\1.", key.removeprefix("policy._transformer."))
-
-    loaded = {plain(k): v for k, v in pipe.transformer.named_parameters() if "lora_" in k}
-    assert sorted(loaded) == sorted(plain(k) for k in w2)
-    for key, value in w2.items():
-        assert torch.equal(loaded[plain(key)], value), key
 
 
 @pytest.mark.slow

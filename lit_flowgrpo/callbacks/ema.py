@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from typing_extensions import override
 
 from lit_flowgrpo.callbacks._module import as_mapping
+from lit_flowgrpo.strategies import reshard
 
 __all__ = ["TrainableEMA"]
 
@@ -317,7 +318,7 @@ class TrainableEMA(Callback):
         assert self._ema is not None
         if self._ema.temp_stored_params is not None:
             raise RuntimeError("TrainableEMA weights are already swapped in")
-        _reshard(pl_module)
+        reshard(pl_module)  # shards, not weights gathered by a forward
         params = self._params(pl_module)
         # To the host, this rank's shards only: no second copy of the trained weights on the device,
         # and nothing gathered.
@@ -328,7 +329,7 @@ class TrainableEMA(Callback):
     def _swap_out(self, pl_module: LightningModule) -> None:
         if self._ema is None or self._ema.temp_stored_params is None:
             return
-        _reshard(pl_module)
+        reshard(pl_module)  # shards, not weights gathered by a forward
         self._ema.restore(self._params(pl_module))
 
     def _remove_hook(self) -> None:
@@ -390,14 +391,3 @@ def _local(tensor: Tensor) -> Tensor:
     """This rank's part of a parameter: the local shard of a DTensor (a view of its storage), else the
     parameter itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _reshard(module: nn.Module) -> None:
-    """Free the gathered weights of every FSDP2 unit before the shards are written: a unit kept whole
-    after a forward (``reshard_after_forward=False``) skips the gather of its next forward, which would
-    then run on the weights gathered before the write. A no-op for a resharded unit."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for submodule in module.modules():
-        if isinstance(submodule, FSDPModule):
-            submodule.reshard()

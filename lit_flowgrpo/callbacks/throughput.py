@@ -32,6 +32,7 @@ from lit_flowgrpo.callbacks._lightning import rollout_step
 from lit_flowgrpo.callbacks._module import as_mapping, image_size
 from lit_flowgrpo.policies.base import FlowPolicy
 from lit_flowgrpo.step_output import INFERENCE_STAGES, StepOutput
+from lit_flowgrpo.strategies import reshard
 
 __all__ = [
     "RLThroughputMonitor",
@@ -410,6 +411,11 @@ def measure_transformer_flops(policy: FlowPolicy, height: int, width: int) -> tu
     with set_stance("force_eager") if set_stance is not None else contextlib.nullcontext():
         with torch.no_grad():
             fwd = measure_flops(transformer, forward)
+        # Under FSDP2 with reshard_after_forward=False that forward left every unit gathered, and
+        # parameters() would yield the gathered copies: the gradients saved and restored below must be
+        # the shards', or the count's backward (of a sum over the whole output) stays on them and is
+        # added to the first update's gradient.
+        reshard(transformer)
         params = [p for p in transformer.parameters() if p.requires_grad]
         if not params:
             return fwd, 3 * fwd
