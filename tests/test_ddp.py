@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -79,6 +80,10 @@ def run(path: str, prompts: str, out: Path, devices: int, fp8: bool = False) -> 
         update=UpdateSettings(micro_batch_size=2, optimizer_steps_per_rollout=1),
         lora=LoraSettings(rank=2, alpha=4),
         performance=PerformanceSettings(fp8_base_matmuls=fp8),
+        # SGD: the weights move by lr × gradient, so ranks that agree on the gradient agree on the
+        # weights. Adam's first step is ±lr for every element whatever its gradient's size, so a
+        # gradient element near 0 turns rounding into a whole ±lr step (3.4e-4 was seen).
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),  # picklable: ddp_spawn sends the module
     )
     data = PromptDataModule(train=prompts, prompts_per_step=2, group_size=4, seed=5)
     fit_two_steps(module, data, devices)
@@ -104,10 +109,17 @@ def test_ddp_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tmp_
     assert sorted(single) == sorted(ddp) == [0, 1]
     for step in single:
         assert sorted(single[step]) == sorted(ddp[step]) == list(range(8))  # every sample once, across ranks
-        for sample, (reward, adv) in single[step].items():
-            # Different batch compositions change float summation order slightly, nothing more.
-            assert abs(ddp[step][sample][0] - reward) < 1e-5
-            assert abs(ddp[step][sample][1] - adv) < 1e-3
+        # Different batch compositions change float summation order slightly, nothing more: rewards
+        # agree to a few fp32 roundings of the images' means...
+        delta = max(abs(ddp[step][s][0] - r) for s, (r, _) in single[step].items())
+        assert delta < 1e-5
+        # ...and advantages (r − mean) / (std + 1e-4), over the global std of the step's rewards, to
+        # what those reward errors can move them: the numerator by 2δ, the std by 2δ.
+        rewards = torch.tensor([r for r, _ in single[step].values()], dtype=torch.float64)
+        scale = float(rewards.std(unbiased=False)) + 1e-4
+        for sample, (_, adv) in single[step].items():
+            bound = 2 * delta * (1 + abs(adv)) / scale + 1e-6
+            assert abs(ddp[step][sample][1] - adv) <= bound, (step, sample, bound)
     a = torch.load(tmp_path / "single" / "lora.pt")
     b = torch.load(tmp_path / "ddp" / "lora.pt")
     for key in a:

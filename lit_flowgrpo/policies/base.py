@@ -142,6 +142,11 @@ class PromptCache(OrderedDict[str, Embeds]):
         super().__init__()
         self.size = size
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A spawned DDP worker receives the module pickled; OrderedDict's own reduce would rebuild
+        # this without its size.
+        return type(self), (self.size,), None, None, iter(self.items())
+
     def rows(self, prompts: Sequence[str], encode_one: Callable[[str], Embeds]) -> list[Embeds]:
         """One conditioning dict per prompt (repeats share rows), encoding each missing prompt once."""
         found: dict[str, Embeds] = {}
