@@ -244,16 +244,13 @@ class RandomFluxPolicy(FluxPolicy):
         self._transformer, self.vae = transformer, vae
         self.text_encoder = self.text_encoder_2 = None
 
-    def _encode_rows(self, prompts: list[str]) -> list[Embeds]:
+    def _encode_one(self, prompt: str) -> Embeds:
         text = SIZES[self.size]["text"]
         rows = functools.partial(_prompt_rows, self.device, next(self.vae.parameters()).dtype)
-        return [
-            {
-                "prompt_embeds": rows(p, (1, text["tokens"], text["dim"])),
-                "pooled_prompt_embeds": rows("pooled:" + p, (1, text["pooled"])),
-            }
-            for p in prompts
-        ]
+        return {
+            "prompt_embeds": rows(prompt, (1, text["tokens"], text["dim"])),
+            "pooled_prompt_embeds": rows("pooled:" + prompt, (1, text["pooled"])),
+        }
 
 
 class RandomSD3Policy(SD3Policy):

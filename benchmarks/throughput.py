@@ -330,15 +330,12 @@ class BenchFluxPolicy(_RandomWeights, FluxPolicy):
         self.pipe = FluxPipeline(transformer=transformer, vae=vae, scheduler=scheduler, **none)
         self._transformer, self.vae = transformer, vae
 
-    def _encode_rows(self, prompts: list[str]) -> list[Embeds]:
+    def _encode_one(self, prompt: str) -> Embeds:
         text, device, dtype = self.spec["text"], self.build_device, self.build_dtype
-        return [
-            {
-                "prompt_embeds": _random_rows(p, (1, text["tokens"], text["dim"]), device, dtype),
-                "pooled_prompt_embeds": _random_rows("pooled:" + p, (1, text["pooled"]), device, dtype),
-            }
-            for p in prompts
-        ]
+        return {
+            "prompt_embeds": _random_rows(prompt, (1, text["tokens"], text["dim"]), device, dtype),
+            "pooled_prompt_embeds": _random_rows("pooled:" + prompt, (1, text["pooled"]), device, dtype),
+        }
 
 
 class BenchQwenImagePolicy(_RandomWeights, QwenImagePolicy):
@@ -358,17 +355,11 @@ class BenchQwenImagePolicy(_RandomWeights, QwenImagePolicy):
         self.pipe = QwenImagePipeline(transformer=transformer, vae=vae, scheduler=scheduler, **none)
         self._transformer, self.vae = transformer, vae
 
-    def _encode_rows(self, prompts: list[str]) -> list[Embeds]:
+    def _encode_one(self, prompt: str) -> Embeds:
         text, device, dtype = self.spec["text"], self.build_device, self.build_dtype
         # the negative prompt " " is one token after the template; other prompts take the spec's length
-        return [
-            {
-                "prompt_embeds": _random_rows(
-                    p, (1, 1 if not p.strip() else text["tokens"], text["dim"]), device, dtype
-                )
-            }
-            for p in prompts
-        ]
+        tokens = 1 if not prompt.strip() else text["tokens"]
+        return {"prompt_embeds": _random_rows(prompt, (1, tokens, text["dim"]), device, dtype)}
 
 
 POLICIES = {"sd3": BenchSD3Policy, "flux": BenchFluxPolicy, "qwenimage": BenchQwenImagePolicy}
