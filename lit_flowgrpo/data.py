@@ -243,6 +243,11 @@ class _ValSet(IterableDataset):
         self.rank = rank
         self.seed = seed
 
+    @property
+    def num_samples(self) -> int:
+        """Samples this rank evaluates (what a progress bar counts against; not ``__len__``, see above)."""
+        return len(self._mine())
+
     def _mine(self) -> list[int]:
         total = len(self.records) * self.seeds
         return list(range(self.rank, total, self.world_size))

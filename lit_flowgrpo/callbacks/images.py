@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -19,7 +20,7 @@ from lit_flowgrpo.callbacks._lightning import rollout_step
 from lit_flowgrpo.callbacks._module import as_mapping
 from lit_flowgrpo.step_output import StepOutput, ValidationOutput
 
-__all__ = ["SampleImageLogger", "image_grid"]
+__all__ = ["SampleImageLogger", "captioned_grid", "image_grid"]
 
 
 class SampleImageLogger(Callback):
@@ -36,7 +37,8 @@ class SampleImageLogger(Callback):
     Where it goes, per logger: W&B (``WandbLogger.log_image``: one ``wandb.Image`` per sample with its
     caption, works offline; the table through ``WandbLogger.log_table``); TensorBoard (``add_images``
     plus the captions, and the table as markdown, through ``add_text``); any other logger, or none,
-    gets ``images/<key>_step<step>.png`` (a grid) and a ``.json`` of the captions in its ``log_dir``
+    gets ``images/<key>_step<step>.png`` (a grid, each sample enlarged to about 128 px with its prompt and
+    rewards drawn under it) and a ``.json`` of the captions in its ``log_dir``
     (else the trainer's ``default_root_dir``), and the table as ``images/val_samples_table_step<step>.json``.
 
     Args:
@@ -259,13 +261,60 @@ def _stem(root: str, key: str, step: int) -> str:
 
 
 def _write_png(root: str, key: str, pixels: Tensor, captions: Sequence[str], step: int) -> None:
-    from PIL import Image
-
     stem = _stem(root, key, step)
-    grid = image_grid(pixels).permute(1, 2, 0).numpy()  # (H', W', 3) uint8
-    Image.fromarray(grid).save(stem + ".png")
+    captioned_grid(pixels, captions).save(stem + ".png")
     with open(stem + ".json", "w") as f:
         json.dump({"step": step, "captions": list(captions)}, f, indent=1)
+
+
+def captioned_grid(pixels: Tensor, captions: Sequence[str], cell: int = 128) -> Any:
+    """(B, 3, H, W) uint8 -> a PIL image: ceil(sqrt(B)) columns of samples, each with its caption (prompt,
+    then one line per reward) drawn under it.
+
+    Small samples are enlarged by the integer factor that brings their longer side nearest ``cell`` px
+    without exceeding it (nearest neighbour: a 32 px sample becomes 128 px of 4×4 blocks, its pixels
+    exact), so the picture reads without zooming; samples of ``cell`` px or more keep their size.
+    """
+    from PIL import Image, ImageDraw, ImageFont
+
+    b, _, h, w = pixels.shape
+    scale = max(1, cell // max(h, w))
+    tile_w, tile_h = w * scale, h * scale
+    try:
+        font = ImageFont.load_default(size=13)  # a FreeType font (Pillow >= 10.1)
+    except TypeError:
+        font = ImageFont.load_default()
+    line_h = 16
+    char_w = max(1.0, font.getlength("abcdefghijklmnopqrstuvwxyz") / 26)
+    lines = [_caption_lines(c, max(8, int(tile_w / char_w))) for c in captions]
+    text_h = line_h * max((len(x) for x in lines), default=0)
+    pad = 8
+    cols = math.ceil(math.sqrt(b))
+    rows = math.ceil(b / cols)
+    cell_w, cell_h = tile_w + pad, tile_h + text_h + 2 * pad
+    canvas = Image.new("RGB", (pad + cols * cell_w, rows * cell_h), (30, 30, 30))
+    draw = ImageDraw.Draw(canvas)
+    hwc = pixels.permute(0, 2, 3, 1).numpy()  # (B, H, W, 3) uint8
+    for i in range(b):
+        r, c = divmod(i, cols)
+        x0, y0 = pad + c * cell_w, pad + r * cell_h
+        canvas.paste(Image.fromarray(hwc[i]).resize((tile_w, tile_h), Image.NEAREST), (x0, y0))
+        for k, line in enumerate(lines[i]):
+            draw.text((x0, y0 + tile_h + 2 + k * line_h), line, fill=(235, 235, 235), font=font)
+    return canvas
+
+
+def _caption_lines(caption: str, width: int, max_prompt_lines: int = 4) -> list[str]:
+    """The prompt wrapped to ``width`` characters (at most 4 lines), then one line per reward.
+
+    >>> _caption_lines("a red circle left of a blue square | reward=0.5 | ocr=nan (failed)", 16)
+    ['a red circle', 'left of a blue', 'square', 'reward=0.5', 'ocr=nan (failed)']
+    """
+    prompt, *rewards = caption.split(" | ")
+    wrapped = textwrap.wrap(prompt, width) or [""]
+    if len(wrapped) > max_prompt_lines:
+        wrapped = [*wrapped[: max_prompt_lines - 1], wrapped[max_prompt_lines - 1][: width - 3] + "..."]
+    return [*wrapped, *rewards]
 
 
 def _write_table(root: str, key: str, columns: list[str], rows: list[list[Any]], step: int) -> None:

@@ -48,6 +48,8 @@ HEIGHT_FLAG = "--model.sampler.height"
 WIDTH_FLAG = "--model.sampler.width"
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+# Where lit_flowgrpo.tiny's builders put their pipelines by default (`python -m lit_flowgrpo.tiny.<family>`).
+_TINY_FOLDER = re.compile(r"(?:^|/)\.tiny_models/(sd3|flux|qwenimage)/?$")
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -80,6 +82,12 @@ def check_pretrained(pretrained: str, flag: str) -> list[str]:
             ]
         return []
     if os.path.sep in pretrained.rstrip("/").lstrip("./") and pretrained.startswith((".", "/", "~")):
+        tiny = _TINY_FOLDER.search(pretrained)
+        if tiny:  # configs/tiny_sd3.yaml on a fresh clone: the tiny pipeline is built, never shipped
+            return [
+                f"{flag} ({pretrained}) does not exist: build the tiny random {tiny.group(1)} pipeline there "
+                f"first with `python -m lit_flowgrpo.tiny.{tiny.group(1)} {pretrained}`"
+            ]
         return [f"{flag} ({pretrained}) does not exist: give an existing local pipeline folder or a hub id"]
     if not _HUB_ID.match(pretrained):
         return [

@@ -7,7 +7,13 @@ as it is measured, a line per later validation, and at the end:
 
     held-out strict accuracy of the base model: 0.412
     held-out strict accuracy after 30 rollouts: 0.498
-    held-out strict accuracy: 0.412 -> 0.561
+    held-out strict accuracy: 0.412 -> 0.561 (the base model -> after 60 rollouts)
+
+A run that ends between validations (``max_steps`` not a multiple of ``val_check_interval``) is
+evaluated once more after its last rollout, so the last line always compares the base model with
+the model training ended with; where it cannot (``evaluate_after_training: false``, validation off, a
+resumed run whose checkpoint holds no base value, no rollout run), the line says what was not
+evaluated instead of repeating a number.
 
 It also writes ``base_vs_tuned.png`` to the run's log dir: the first validation prompts, sampled
 with the same seeds by the base model (top row of each pair) and the tuned one (bottom row), each
@@ -34,6 +40,9 @@ class HeldOutReport(L.Callback):
         label: how the printed line names it.
         num_images: how many validation samples go into the base-vs-tuned picture.
         filename: the picture's name inside the run's log dir.
+        evaluate_after_training: evaluate the tuned model after the last rollout when the run's
+            ``val_check_interval`` would not (one more validation; Lightning's ``trainer.should_stop``,
+            as ``EarlyStopping`` uses it). Off: the last line says the tuned model was not evaluated.
     """
 
     def __init__(
@@ -42,13 +51,22 @@ class HeldOutReport(L.Callback):
         label: str = "held-out strict accuracy",
         num_images: int = 16,
         filename: str = "base_vs_tuned.png",
+        evaluate_after_training: bool = True,
     ) -> None:
         self.component = component
         self.label = label
         self.num_images = num_images
         self.filename = filename
+        self.evaluate_after_training = evaluate_after_training
         self.history: list[tuple[int, float]] = []
-        self.rollouts = 0  # training batches seen, for the per-validation line
+        """(rollouts done, value) per evaluation, the base model's at 0."""
+        self.base: tuple[float, int] | None = None
+        """The base model's (value, samples), from the evaluation before any rollout; None if none ran."""
+        self.counts: list[int] = []  # samples behind each history entry
+        self.rollouts = 0  # training batches done, over the whole run (resumed runs included)
+        self.last_line = ""
+        self._resumed = False
+        self._session_start = 0  # rollouts done before this session (a resumed run's)
         self._sums: dict[str, list[float]] = {}
         self._images: list[torch.Tensor] = []
         self._prompts: list[str] = []
@@ -58,6 +76,14 @@ class HeldOutReport(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self.rollouts += 1
+        # The last rollout (max_steps reached): ask Lightning to validate now, as it does for a run
+        # stopped early, when no evaluation is due at this rollout anyway (then it runs once).
+        if (
+            self.evaluate_after_training
+            and 0 < trainer.max_steps <= trainer.global_step
+            and trainer.enable_validation
+        ):
+            trainer.should_stop = True
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._sums, self._images, self._prompts, self._passed = {}, [], [], []
@@ -92,27 +118,33 @@ class HeldOutReport(L.Callback):
         totals = torch.tensor([self._sums[n] for n in names], dtype=torch.float64, device=pl_module.device)
         totals = trainer.strategy.reduce(totals, reduce_op="sum")  # (components, 2): Σ, n over ranks
         means = {n: float(t[0] / t[1]) for n, t in zip(names, totals, strict=True) if t[1] > 0}
-        value = means[self.component]
-        step = 0 if trainer.sanity_checking else trainer.fit_loop.epoch_loop._batches_that_stepped
-        if not self.history or step != self.history[-1][0]:
-            self.history.append((step, value))
+        counts = {n: int(t[1]) for n, t in zip(names, totals, strict=True)}
+        value, n = means[self.component], self.rollouts
+        if not self.history or n != self.history[-1][0]:
+            self.history.append((n, value))
+            self.counts.append(counts[self.component])
+        if n == 0 and self.base is None:
+            self.base = (value, counts[self.component])
         images = _Samples(
             torch.cat(self._images) if self._images else torch.zeros(0, 3, 1, 1),
             list(self._prompts),
             torch.cat(self._passed) if self._passed else torch.zeros(0, dtype=torch.bool),
         )
-        if self._first is None:
+        if self._first is None and n == 0:
             self._first = images
             if trainer.sanity_checking:  # Lightning drops what is logged during the sanity check
                 self._log_base(trainer, means)
         self._last = images
-        n = self.rollouts
-        when = "of the base model" if trainer.sanity_checking else f"after {n} rollout{'s' if n != 1 else ''}"
-        self._say(f"{self.label} {when}: {value:.3f}")
+        when = "of the base model" if n == 0 else f"after {n} rollout{'s' if n != 1 else ''}"
+        self._say(f"{self.label} {when}: {value:.3f}", trainer)
 
     @rank_zero_only
-    def _say(self, line: str) -> None:
-        print(line, flush=True)
+    def _say(self, line: str, trainer: L.Trainer | None = None) -> None:
+        bar = trainer.progress_bar_callback if trainer is not None else None
+        if bar is not None and bar.is_enabled:
+            bar.print(line)  # above the bars, not glued to the end of one
+        else:
+            print(line, flush=True)
 
     @rank_zero_only
     def _log_base(self, trainer: L.Trainer, means: dict[str, float]) -> None:
@@ -123,24 +155,79 @@ class HeldOutReport(L.Callback):
 
     @rank_zero_only
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self.history:
+        self.last_line = self._last_line(trainer)
+        print(self.last_line, flush=True)
+        tuned = self.history[-1] if self.history and self.history[-1][0] == self.rollouts > 0 else None
+        if tuned is None or self._first is None or self._last is None or not len(self._first.images):
             return
-        base, final = self.history[0][1], self.history[-1][1]
-        print(f"{self.label}: {base:.3f} -> {final:.3f}")
-        if self._first is not None and self._last is not None and len(self._first.images):
-            folder = trainer.log_dir or trainer.default_root_dir
-            os.makedirs(folder, exist_ok=True)
-            path = os.path.join(folder, self.filename)
-            first, last = self._first, self._last
-            base_vs_tuned_grid(first.images, last.images, first.prompts, first.passed, last.passed).save(path)
-            print(f"base (top) vs tuned (bottom) samples: {path}")
+        folder = trainer.log_dir or trainer.default_root_dir
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, self.filename)
+        first, last = self._first, self._last
+        base_vs_tuned_grid(first.images, last.images, first.prompts, first.passed, last.passed).save(path)
+        print(f"base (top) vs tuned (bottom) samples: {path}")
+
+    def _last_line(self, trainer: L.Trainer) -> str:
+        """Base -> tuned where both were evaluated; otherwise what was not, and why."""
+        n = self.rollouts
+        after = f"after {n} rollout{'s' if n != 1 else ''}"
+        tuned = self.history[-1] if self.history and self.history[-1][0] == n > 0 else None
+        if self.base is not None and tuned is not None:
+            base_n, tuned_n = self.base[1], self.counts[-1]
+            samples = f", on {base_n} and {tuned_n} samples" if base_n != tuned_n else ""
+            return f"{self.label}: {self.base[0]:.3f} -> {tuned[1]:.3f} (the base model -> {after}{samples})"
+        if self.base is not None:
+            base = f"{self.label} of the base model: {self.base[0]:.3f}"
+        elif self._resumed:
+            base = (
+                f"{self.label} of the base model: not known (the checkpoint this run resumed from holds none)"
+            )
+        else:
+            base = (
+                f"{self.label} of the base model: not evaluated (no validation before training; "
+                "--trainer.num_sanity_val_steps=-1 runs one)"
+            )
+        if tuned is not None:
+            return f"{base}; {after}: {tuned[1]:.3f}"
+        if n == 0:
+            why = "no rollout ran"
+        elif n == self._session_start:
+            why = (
+                f"no rollout ran in this session: the checkpoint already had {n} rollouts "
+                "(raise --trainer.max_steps to train on), and the model was not evaluated after them"
+            )
+        elif not self.evaluate_after_training:
+            why = (
+                f"the tuned model ({after}) was not evaluated: HeldOutReport's evaluate_after_training is off"
+            )
+        elif not trainer.enable_validation:
+            why = f"the tuned model ({after}) was not evaluated: validation is off"
+        else:
+            why = f"the tuned model ({after}) was not evaluated"
+        earlier = [h for h in self.history if 0 < h[0] < n]
+        if earlier:
+            m, value = earlier[-1]
+            why += f"; the last evaluation, after {m} rollout{'s' if m != 1 else ''}: {value:.3f}"
+        return f"{base}; {why}"
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": list(self.history), "rollouts": self.rollouts}
+        return {
+            "history": list(self.history),
+            "counts": list(self.counts),
+            "base": self.base,
+            "rollouts": self.rollouts,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.history = [tuple(x) for x in state_dict.get("history", [])]
+        # checkpoints from before "base" was kept have no base value: the last line says so rather than
+        # taking the first history entry, which need not be the base model's
+        self._resumed = True
+        self.history = [tuple(x) for x in state_dict.get("history", [])] if "base" in state_dict else []
+        self.counts = list(state_dict.get("counts", [0] * len(self.history)))
+        base = state_dict.get("base")
+        self.base = None if base is None else (float(base[0]), int(base[1]))
         self.rollouts = int(state_dict.get("rollouts", 0))
+        self._session_start = self.rollouts  # the rollouts done before this session
 
 
 def base_vs_tuned_grid(

@@ -18,6 +18,7 @@ from PIL import Image
 from torch import Tensor
 
 from lit_flowgrpo.callbacks import SampleImageLogger
+from lit_flowgrpo.callbacks.images import captioned_grid
 
 
 def sample_outputs(n_batches: int, b: int = 3) -> list[dict[str, Any]]:
@@ -231,12 +232,22 @@ def test_images_to_png_without_image_logger(tmp_path: Any) -> None:
     ).fit(StandIn(outputs), loader(1))
     stem = os.path.join(logger.log_dir, "images", "train_samples_step0000000")
     grid = np.asarray(Image.open(stem + ".png"))
-    expected = to_u8(outputs[0]["images"])
-    assert grid.shape == (2 * 6 + 2, 2 * 5 + 2, 3)  # 2 columns x 2 rows, 2-pixel gaps
-    np.testing.assert_array_equal(grid[:6, :5], expected[0])
-    np.testing.assert_array_equal(grid[:6, 7:12], expected[1])
-    np.testing.assert_array_equal(grid[8:14, :5], expected[2])
-    assert grid[8:, 7:].max() == 0  # the empty fourth cell
+    expected = to_u8(outputs[0]["images"])  # (3, 6, 5, 3): 6 x 5 px samples
+    # each sample enlarged 21x (126 x 105 px: the largest whole factor within 128 px), nearest neighbour,
+    # in 2 columns x 2 rows of cells 8 px apart, each with 2 caption lines of 16 px under it
+    scale, pad, text_h = 21, 8, 2 * 16
+    tile_h, tile_w = 6 * scale, 5 * scale
+    cell_w, cell_h = tile_w + pad, tile_h + text_h + 2 * pad
+    assert grid.shape == (2 * cell_h, pad + 2 * cell_w, 3)
+    for i in range(3):
+        r, c = divmod(i, 2)
+        y0, x0 = pad + r * cell_h, pad + c * cell_w
+        tile = grid[y0 : y0 + tile_h, x0 : x0 + tile_w]
+        np.testing.assert_array_equal(tile, expected[i].repeat(scale, axis=0).repeat(scale, axis=1))
+        # the caption is drawn under the sample: light text pixels on the dark background
+        caption = grid[y0 + tile_h : y0 + tile_h + text_h + pad, x0 : x0 + tile_w]
+        assert (caption.min(axis=2) > 150).sum() > 50
+    assert grid[pad + cell_h :, pad + cell_w :].max() == 30  # the empty fourth cell: background only
     with open(stem + ".json") as f:
         captions = json.load(f)["captions"]
     assert captions == [
@@ -256,3 +267,12 @@ def test_image_logger_rejects_bad_input(tmp_path: Any) -> None:
         SampleImageLogger().log_images(t, "k", torch.zeros(2, 3, 4, 4), ["only one"], 0)
     with pytest.raises(ValueError, match=r"\(B, 3, H, W\)"):
         SampleImageLogger().log_images(t, "k", torch.zeros(2, 4, 4), ["a", "b"], 0)
+
+
+def test_shapes_world_samples_are_drawn_at_128_px_with_their_captions() -> None:
+    # the quickstart's training grid: 16 samples of 32 x 32 px (once a 134 x 134 px picture)
+    pixels = torch.zeros(16, 3, 32, 32, dtype=torch.uint8)
+    grid = np.asarray(captioned_grid(pixels, ["a red circle above a blue square | reward=0.75"] * 16))
+    assert grid.shape[1] == 8 + 4 * (128 + 8)  # 4 columns of 128 px samples
+    caption = grid[8 + 128 : 8 + 128 + 3 * 16, 8 : 8 + 128]  # under the first sample: 2 prompt lines + reward
+    assert (caption.min(axis=2) > 150).sum() > 100

@@ -1,4 +1,5 @@
-"""RolloutProgressBar: the count and total in rollouts, the reward and the validation score beside it."""
+"""RolloutProgressBar: the count and total in rollouts, the reward and the validation score beside it,
+what each evaluation is, and time (s/rollout, s/sample, the run's ETA with its evaluations) on a patched clock."""
 
 from __future__ import annotations
 
@@ -6,14 +7,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 from callback_helpers import StandIn, constant_loader, trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
 from torch import Tensor
+from torch.utils.data import DataLoader
 
-from lit_flowgrpo.callbacks import FinalCheckpoint, RolloutProgressBar
+from lit_flowgrpo.callbacks import FinalCheckpoint, RolloutProgressBar, progress
 
 # What the module logs for a reward of GenEval (strict core, partial aux) and OCR (core).
 VAL_SCORES = {
@@ -169,3 +172,132 @@ def test_reward_and_validation_score_beside_the_count(tmp_path: Path) -> None:
     model, bar = Rollouts([2, 2, 2], val_scores=scores), RolloutProgressBar(reward_key="none")
     run(tmp_path, model, 6, bar)
     assert model.postfix[-1] == "val/pickscore/score=0.250"
+
+
+# -- time: what each evaluation is, s/rollout and s/sample, the run's ETA with evaluations ------------
+
+
+class FakeClock:
+    """``time.perf_counter`` for the progress module: the stand-in advances it as its work would."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class EvalSet(torch.utils.data.IterableDataset):
+    """3 batches of 4 samples, declaring its size as the prompt data's validation set does."""
+
+    num_samples, batch_size = 12, 4
+
+    def __iter__(self) -> Any:
+        return iter(torch.zeros(3, 4, dtype=torch.long))
+
+
+class Timed(Rollouts):
+    """A rollout takes 50 s, an evaluated sample 1 s (on the fake clock); records both bars."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__([1] * 10, steps_per_rollout=1, val_scores={})
+        self.clock = clock
+        self.train_bar: list[tuple[int, str, str, float | None]] = []  # (n, eta, pace, seconds left)
+        self.eval_bar: list[tuple[str, int, int | None, str, str]] = []  # (title, n, total, eta, pace)
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Any:
+        self.clock.now += 50.0
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch: Tensor, batch_idx: int) -> Any:
+        self.clock.now += 1.0 * len(batch)
+        return None
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        progress = self.trainer.progress_bar_callback
+        bar = progress.train_progress_bar
+        self.train_bar.append((bar.n, bar.eta, bar.pace, progress.seconds_left))
+
+    def on_validation_batch_end(
+        self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        bar = self.trainer.progress_bar_callback.val_progress_bar
+        self.eval_bar.append((bar.desc.removesuffix(": "), bar.n, bar.total, bar.eta, bar.pace))
+
+
+class EvaluatesAfterTraining(Callback):
+    """Declares, as the quickstart's HeldOutReport does, one more evaluation after the last rollout."""
+
+    evaluate_after_training = True
+
+
+def test_evaluations_say_what_they_are_and_the_eta_counts_them(tmp_path: Path, capsys) -> None:
+    clock = FakeClock()
+    model, bar = Timed(clock), RolloutProgressBar()
+    t = trainer(
+        tmp_path,
+        [bar, EvaluatesAfterTraining()],
+        enable_progress_bar=True,
+        max_steps=5,
+        max_epochs=-1,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=-1,  # the base model's evaluation, before any rollout
+    )
+    with mock.patch.object(progress, "time", clock):
+        t.fit(model, constant_loader(100), DataLoader(EvalSet(), batch_size=None))
+
+    # each evaluation names itself and counts samples against its total, at its own pace
+    base = "evaluating the base model: 12 samples"
+    assert model.eval_bar[:3] == [
+        (base, 4, 12, "00:08", "1 s/sample"),
+        (base, 8, 12, "00:04", "1 s/sample"),
+        (base, 12, 12, "00:00", "1 s/sample"),
+    ]
+    titles = [title for title, *_ in model.eval_bar[::3]]
+    assert titles == [
+        base,
+        "evaluating after 2 rollouts: 12 samples",
+        "evaluating after 4 rollouts: 12 samples",
+    ]
+
+    # the run's ETA: rollouts left x 50 s + evaluations left x 12 samples x 1 s; evaluations are due
+    # after rollouts 2 and 4 (val_check_interval) and after the last one, 5 (declared by a callback)
+    assert model.train_bar == [
+        (1, "03:56", "50 s/rollout", 4 * 50 + 3 * 12),
+        (2, "03:06", "50 s/rollout", 3 * 50 + 3 * 12),  # the evaluation after rollout 2 is still to come
+        (3, "02:04", "50 s/rollout", 2 * 50 + 2 * 12),
+        (4, "01:14", "50 s/rollout", 1 * 50 + 2 * 12),
+        (5, "00:12", "50 s/rollout", 0 + 1 * 12),
+    ]
+    assert bar.train_progress_bar.eta == "00:12"  # after the evaluation at rollout 4 and before the last
+    shown = str(bar.train_progress_bar)
+    assert "5/5 rollouts" in shown and "50 s/rollout" in shown and "it/s" not in shown
+
+    # the first line after the first rollout: the whole run on this machine
+    out = capsys.readouterr().out
+    expected = (
+        "this run on this machine: about 5 min in all (5 rollouts at 50 s/rollout + 4 evaluations of 12 "
+        "samples at 1 s/sample), from the first rollout and the evaluations so far; the bar's ETA corrects "
+        "it as it goes"
+    )
+    assert expected in out
+    assert bar.estimate_s == 50 + 12 + 4 * 50 + 3 * 12
+
+
+def test_before_any_evaluation_is_timed_the_eta_says_so(tmp_path: Path, capsys) -> None:
+    clock = FakeClock()
+    model, bar = Timed(clock), RolloutProgressBar()
+    t = trainer(
+        tmp_path, [bar], enable_progress_bar=True, max_steps=3, max_epochs=-1, val_check_interval=2,
+        check_val_every_n_epoch=None,
+    )  # fmt: skip
+    with mock.patch.object(progress, "time", clock):
+        t.fit(model, constant_loader(100), DataLoader(EvalSet(), batch_size=None))
+    # no base evaluation: one evaluation (after rollout 2) is due and not yet timed
+    assert model.train_bar[0] == (1, "01:40 + evaluations", "50 s/rollout", None)
+    assert model.train_bar[2] == (3, "00:00", "50 s/rollout", 0.0)
+    assert (
+        "3 rollouts at 50 s/rollout + 1 evaluation of 12 samples (not measured yet)"
+        in capsys.readouterr().out
+    )

@@ -1,10 +1,20 @@
-"""The quickstart's base-vs-tuned picture: each sample's frame says what the verifier decided."""
+"""The quickstart's base-vs-tuned picture (each sample's frame says what the verifier decided) and its
+last line (base -> tuned, or what was not evaluated)."""
 
 from __future__ import annotations
 
-import torch
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
 
-from lit_flowgrpo.toy.report import base_vs_tuned_grid
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lit_flowgrpo.callbacks import FinalCheckpoint
+from lit_flowgrpo.toy.report import HeldOutReport, base_vs_tuned_grid
 
 GREEN, RED = (40, 200, 70), (220, 50, 50)
 
@@ -34,3 +44,131 @@ def test_without_flags_there_is_no_frame_and_no_legend() -> None:
     plain = base_vs_tuned_grid(torch.zeros(2, 3, 32, 32), torch.zeros(2, 3, 32, 32), ["a"] * 2)
     assert plain.height < with_flags.height
     assert plain.getpixel((44 + 6 + 1, 6 + 11 + 3 + 64)) == (30, 30, 30)  # background where a frame would be
+
+
+# -- the last line ---------------------------------------------------------------------------------
+
+
+class Learner(L.LightningModule):
+    """A stand-in for FlowGRPOModule: each rollout is one optimizer step, and validation scores
+    ``0.1 × rollouts done`` (optimizer steps) strict accuracy on 4 samples per batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.reward = SimpleNamespace(validation_keys=lambda name: [f"val-core/{name}/mean@1"])
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward((self.w - 1).pow(2).sum())
+        opt.step()
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> dict:
+        strict = torch.full((4,), 0.1 * self.trainer.global_step)  # restored on resume
+        return {"rewards": {"shapes/strict": strict}, "images": torch.zeros(4, 3, 8, 8), "prompts": ["p"] * 4}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([self.w], lr=0.1)
+
+
+def fit(
+    tmp_path: Path, report: HeldOutReport, max_steps: int, *, sanity: int = -1, ckpt: str | None = None
+) -> None:
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        max_epochs=-1,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=sanity,
+        limit_val_batches=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        # the last state at the end of fit too (as the quickstart's FinalCheckpoint): a resume may start
+        # where no evaluation ran
+        callbacks=[
+            report,
+            ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True),
+            FinalCheckpoint(),
+        ],
+        default_root_dir=str(tmp_path),
+    )
+    loader = DataLoader(torch.zeros(100), batch_size=1)
+    trainer.fit(Learner(), loader, DataLoader(torch.zeros(1), batch_size=1), ckpt_path=ckpt)
+
+
+def test_a_run_ending_between_validations_is_evaluated_once_more(tmp_path: Path, capsys) -> None:
+    report = HeldOutReport()
+    fit(tmp_path, report, max_steps=3)  # validations due after rollout 2 only
+    out = capsys.readouterr().out
+    assert report.history == [(0, 0.0), (2, pytest.approx(0.2)), (3, pytest.approx(0.3))]
+    assert "held-out strict accuracy after 3 rollouts: 0.300" in out
+    assert report.last_line == "held-out strict accuracy: 0.000 -> 0.300 (the base model -> after 3 rollouts)"
+    assert (tmp_path / "base_vs_tuned.png").is_file()
+
+
+def test_a_run_ending_on_a_validation_is_evaluated_once(tmp_path: Path) -> None:
+    report = HeldOutReport()
+    fit(tmp_path, report, max_steps=4)
+    assert [n for n, _ in report.history] == [0, 2, 4]
+    assert report.last_line.endswith("0.000 -> 0.400 (the base model -> after 4 rollouts)")
+
+
+def test_the_last_line_says_what_was_not_evaluated(tmp_path: Path) -> None:
+    off = HeldOutReport(evaluate_after_training=False)
+    fit(tmp_path / "off", off, max_steps=3)
+    assert off.last_line == (
+        "held-out strict accuracy of the base model: 0.000; the tuned model (after 3 rollouts) was not "
+        "evaluated: HeldOutReport's evaluate_after_training is off; the last evaluation, after 2 rollouts: 0.200"
+    )
+    assert not (tmp_path / "off" / "base_vs_tuned.png").exists()  # no tuned samples to show
+
+    no_base = HeldOutReport()
+    fit(tmp_path / "no_base", no_base, max_steps=3, sanity=0)
+    assert no_base.last_line == (
+        "held-out strict accuracy of the base model: not evaluated (no validation before training; "
+        "--trainer.num_sanity_val_steps=-1 runs one); after 3 rollouts: 0.300"
+    )
+    for line in (off.last_line, no_base.last_line):
+        assert " -> " not in line
+
+
+def test_a_resumed_run_keeps_the_base_value_from_the_checkpoint(tmp_path: Path) -> None:
+    fit(tmp_path, HeldOutReport(), max_steps=2)
+    two = tmp_path / "two.ckpt"
+    shutil.copy(tmp_path / "ckpt" / "last.ckpt", two)
+
+    resumed = HeldOutReport()
+    fit(tmp_path, resumed, max_steps=3, ckpt=str(two))
+    assert resumed.base == (0.0, 4)
+    assert resumed.last_line.endswith(": 0.000 -> 0.300 (the base model -> after 3 rollouts)")
+
+    # a resume with nothing left to do: the checkpoint's model was evaluated after its 2 rollouts
+    idle = HeldOutReport()
+    fit(tmp_path, idle, max_steps=2, ckpt=str(two))
+    assert idle.last_line.endswith(": 0.000 -> 0.200 (the base model -> after 2 rollouts)")
+
+    # ... and one whose checkpoint's model was not evaluated: said, rather than "0.000 -> 0.000"
+    fit(tmp_path / "off", HeldOutReport(evaluate_after_training=False), max_steps=3)
+    idle = HeldOutReport(evaluate_after_training=False)
+    fit(tmp_path / "off", idle, max_steps=3, ckpt=str(tmp_path / "off" / "ckpt" / "last.ckpt"))
+    assert idle.last_line == (
+        "held-out strict accuracy of the base model: 0.000; no rollout ran in this session: the checkpoint "
+        "already had 3 rollouts (raise --trainer.max_steps to train on), and the model was not evaluated "
+        "after them; the last evaluation, after 2 rollouts: 0.200"
+    )
+
+    # a checkpoint without the base value (written before it was kept)
+    old = torch.load(two, weights_only=False)
+    (key,) = [k for k in old["callbacks"] if "HeldOutReport" in k]
+    old["callbacks"][key] = {"history": [(0, 0.0), (1, 0.2)], "rollouts": 2}
+    torch.save(old, tmp_path / "old.ckpt")
+    unknown = HeldOutReport()
+    fit(tmp_path, unknown, max_steps=3, ckpt=str(tmp_path / "old.ckpt"))
+    assert unknown.last_line == (
+        "held-out strict accuracy of the base model: not known (the checkpoint this run resumed from "
+        "holds none); after 3 rollouts: 0.300"
+    )
