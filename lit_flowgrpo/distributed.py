@@ -38,7 +38,9 @@ class DataParallel:
         """The view of ``trainer``'s ranks (one process when there is no trainer)."""
         if trainer is None:
             return cls()
-        return cls(rank=trainer.global_rank, size=trainer.world_size, strategy=trainer.strategy)
+        return cls(
+            rank=trainer.global_rank, size=trainer.world_size, strategy=getattr(trainer, "strategy", None)
+        )
 
     @property
     def group(self) -> Any:
