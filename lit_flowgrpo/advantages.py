@@ -37,7 +37,7 @@ class AdvantageSettings:
     max_reward_failure_rate: float = 1.0
     max_idle_rollouts: int = 5
 
-    def problems(self, flag: str = "--model.advantage") -> list[str]:
+    def problems(self, flag: str = "--model.init_args.advantage") -> list[str]:
         p = []
         if not 0 < self.max_reward_failure_rate <= 1:
             p.append(f"{flag}.max_reward_failure_rate ({self.max_reward_failure_rate}) must lie in (0, 1]")
@@ -62,7 +62,7 @@ class AdvantageSettings:
         if failure_rate > self.max_reward_failure_rate:
             raise RuntimeError(
                 f"{failure_rate:.0%} of the batch could not be scored (more than "
-                f"--model.advantage.max_reward_failure_rate {self.max_reward_failure_rate}): check the "
+                f"--model.init_args.advantage.max_reward_failure_rate {self.max_reward_failure_rate}): check the "
                 "reward's endpoint or inputs"
             )
         adv = torch.zeros_like(rewards)

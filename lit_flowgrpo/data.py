@@ -24,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
+from lit_flowgrpo.distributed import DataParallel
 from lit_flowgrpo.errors import SettingsError
 
 
@@ -331,10 +332,9 @@ class PromptDataModule(L.LightningDataModule):
         return self.prompts_per_step * self.group_size
 
     def _world(self) -> tuple[int, int]:
-        trainer = self.trainer
-        if trainer is None:
-            return 1, 0
-        return trainer.world_size, trainer.global_rank
+        """(data-parallel size, rank): the ranks that share the prompts of a step."""
+        dp = DataParallel.of(self.trainer)
+        return dp.size, dp.rank
 
     def train_dataloader(self) -> DataLoader:
         world_size, rank = self._world()

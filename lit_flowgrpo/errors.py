@@ -9,7 +9,7 @@ exception is a bug, and keeps its traceback.
 
 from __future__ import annotations
 
-__all__ = ["SettingsError"]
+__all__ = ["MODEL", "SettingsError", "flag"]
 
 
 class SettingsError(ValueError):
@@ -18,3 +18,16 @@ class SettingsError(ValueError):
     A ``ValueError``, so Python callers that caught the ``ValueError`` these checks raised before
     still catch them.
     """
+
+
+#: The command-line path of each part of ``FlowGRPOModule``, in the one spelling the CLI accepts
+#: (the module is parsed in subclass mode: ``--model.init_args.<part>``), for error messages.
+MODEL = "--model.init_args"
+
+
+def flag(part: str) -> str:
+    """``flag("update")`` → ``--model.init_args.update``; for the parts given by ``class_path``, their
+    settings: ``flag("objective")`` → ``--model.init_args.objective.init_args`` (and the reward's)."""
+    if part in ("objective", "reward"):
+        return f"{MODEL}.{part}.init_args"
+    return f"{MODEL}.{part}"

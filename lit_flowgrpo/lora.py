@@ -42,7 +42,7 @@ class LoraSettings:
     init: Literal["gaussian", "default"] = "gaussian"
     dropout: float = 0.0
 
-    def problems(self, flag: str = "--model.lora") -> list[str]:
+    def problems(self, flag: str = "--model.init_args.lora") -> list[str]:
         p = []
         if self.rank is not None and self.rank < 1:
             p.append(f"{flag}.rank ({self.rank}) must be at least 1, or null for the policy's default")
@@ -76,12 +76,12 @@ class TrainableWeights:
         p = [] if self.lora is None else self.lora.problems()
         if self.lora is None and uses_reference and not self.reference_copy:
             p.append(
-                "--model.objective.init_args.kl_coef > 0 with a full fine-tune (--model.lora=null) needs "
-                "--model.reference_copy=true (a frozen copy of the initial transformer as the KL reference)"
+                "--model.init_args.objective.init_args.kl_coef > 0 with a full fine-tune (--model.init_args.lora=null) needs "
+                "--model.init_args.reference_copy=true (a frozen copy of the initial transformer as the KL reference)"
             )
         if self.lora is not None and self.reference_copy:
             p.append(
-                "--model.reference_copy=true is for full fine-tunes: with --model.lora the reference is the "
+                "--model.init_args.reference_copy=true is for full fine-tunes: with --model.init_args.lora the reference is the "
                 "network with its adapter switched off; drop one of the two"
             )
         return p
@@ -116,7 +116,7 @@ class TrainableWeights:
         self.peft_config = config
         if not any(p.requires_grad for p in transformer.parameters()):
             raise ValueError(
-                f"--model.lora.target_modules ({config.target_modules}) matched no module of the transformer"
+                f"--model.init_args.lora.target_modules ({config.target_modules}) matched no module of the transformer"
             )
 
     def _peft_config(self, policy: FlowPolicy) -> Any:
@@ -129,7 +129,7 @@ class TrainableWeights:
         targets = lora.target_modules or list(policy.default_lora_targets)
         if not targets:
             raise ValueError(
-                f"--model.lora.target_modules is empty and {type(policy).__name__} names no default: "
+                f"--model.init_args.lora.target_modules is empty and {type(policy).__name__} names no default: "
                 "list the module names to adapt"
             )
         return LoraConfig(
@@ -155,7 +155,9 @@ class TrainableWeights:
                 yield
             return
         if self._frozen is None:
-            raise RuntimeError("the KL reference of a full fine-tune needs --model.reference_copy=true")
+            raise RuntimeError(
+                "the KL reference of a full fine-tune needs --model.init_args.reference_copy=true"
+            )
         # The frozen copy takes the transformer's place in the policy for the duration: no weight is
         # copied, and it works the same whether the two networks are plain or sharded (FSDP2 gathers
         # a sharded network's weights from its own storage, so swapping parameter data would not do).

@@ -35,11 +35,26 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-__all__ = ["DiagnosticsSettings", "PolicyRatioStats", "RewardGroupStats"]
+__all__ = ["DiagnosticsSettings", "PolicyRatioStats", "RewardGroupStats", "clip_range_problems"]
 
 _F64 = torch.float64
 # Differential entropy of N(μ, s²) per element: ½·log(2πe) + log s (Cover & Thomas, eq. 8.8).
 _HALF_LOG_2PI_E = 0.5 * math.log(2.0 * math.pi * math.e)
+
+
+def clip_range_problems(clip_range: float, clip_range_high: float | None, prefix: str = "") -> list[str]:
+    """The one rule for the clip interval (1 − ε, 1 + ε_high) around 1, which the loss and the clip
+    fractions both need; ``prefix`` is the flag's path (``--model.init_args.objective.init_args.``)."""
+    p = []
+    if not (0.0 < clip_range < 1.0):
+        p.append(
+            f"{prefix}clip_range ({clip_range}) must lie in (0, 1): Flow-GRPO uses 1e-4, GRPO-Guard ~2e-6"
+        )
+    if clip_range_high is not None and not (clip_range_high > 0.0 and math.isfinite(clip_range_high)):
+        p.append(
+            f"{prefix}clip_range_high ({clip_range_high}) must be a finite number > 0, or null to use clip_range"
+        )
+    return p
 
 
 def _sum_by_id(ids: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
@@ -449,11 +464,7 @@ class PolicyRatioStats(_DictMetric):
         prefix: str = "actor/",
     ) -> None:
         super().__init__(prefix)
-        problems = []
-        if not (0.0 < clip_range < 1.0):
-            problems.append(f"clip_range ({clip_range}) must lie in (0, 1), e.g. 1e-4 for Flow-GRPO")
-        if clip_range_high is not None and not (clip_range_high > 0.0 and math.isfinite(clip_range_high)):
-            problems.append(f"clip_range_high ({clip_range_high}) must be a finite number > 0, or None")
+        problems = clip_range_problems(clip_range, clip_range_high)
         if by_step and (num_steps is None or num_steps < 1):
             problems.append(f"by_step=True needs num_steps >= 1 (got {num_steps}): pass the number of steps")
         if num_steps is not None and num_steps < 1:

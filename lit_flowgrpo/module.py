@@ -5,9 +5,11 @@ Each stage has one owner that validates its settings once (DESIGN.md, "One train
 - :class:`~lit_flowgrpo.rollout.Sampler` draws the rollout and the validation samples;
 - the reward (:mod:`lit_flowgrpo.rewards`) scores the images;
 - :class:`AdvantageSettings` turn every rank's rewards into group advantages;
-- :class:`~lit_flowgrpo.objective.Objective` turns a re-scored micro-batch into a loss;
-- :class:`UpdateSettings` set how the update walks the batch (inner epochs, micro-batches, optimizer
-  steps, clipping);
+- :class:`~lit_flowgrpo.objective.Objective` declares what the rollout records, which visits the
+  update makes and what one visit costs;
+- :func:`~lit_flowgrpo.update.run_update` walks the batch as :class:`UpdateSettings` say (inner
+  epochs, micro-batches, optimizer steps, clipping);
+- :class:`~lit_flowgrpo.distributed.DataParallel` is the view of the data-parallel peers;
 - :class:`~lit_flowgrpo.lora.TrainableWeights` decides what is trained, the KL reference and export.
 
 Optimization is manual: one batch feeds several optimizer steps.
@@ -19,8 +21,7 @@ import dataclasses
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -32,26 +33,24 @@ from torchmetrics.aggregation import MeanMetric, SumMetric
 
 from lit_flowgrpo.advantages import AdvantageSettings
 from lit_flowgrpo.data import PromptBatch
-from lit_flowgrpo.errors import SettingsError
+from lit_flowgrpo.distributed import DataParallel
+from lit_flowgrpo.errors import SettingsError, flag
 from lit_flowgrpo.lora import LoraSettings, TrainableWeights
-from lit_flowgrpo.metrics import DiagnosticsSettings, PolicyRatioStats, RewardGroupStats
-from lit_flowgrpo.objective import FlowGRPO, Objective
+from lit_flowgrpo.metrics import DiagnosticsSettings, RewardGroupStats
+from lit_flowgrpo.objective import FlowGRPO, Objective, VisitContext
 from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies.base import FlowPolicy
 from lit_flowgrpo.rewards.base import MultiReward, RewardOutput, as_reward
-from lit_flowgrpo.rollout import Sampler, Trajectory
+from lit_flowgrpo.rollout import RolloutBatch, Sampler, cfg_forwards
 from lit_flowgrpo.step_output import STAGES, StepOutput, ValidationOutput
 from lit_flowgrpo.strategies import strategy_problems
 from lit_flowgrpo.update import (
-    ON_POLICY_CAUSES,
     IdleRollouts,
+    UpdateHooks,
+    UpdateResult,
     UpdateSettings,
-    balance_moves,
     clip_and_step,
-    load_balance,
-    micro_step,
-    receive_rows,
-    send_rows,
+    run_update,
 )
 
 __all__ = ["AdvantageSettings", "DiagnosticsSettings", "FlowGRPOModule", "LoraSettings", "UpdateSettings"]
@@ -122,21 +121,10 @@ class FlowGRPOModule(L.LightningModule):
         for name in ("sampler", "advantage", "update", "diagnostics", "performance"):
             self.hparams[name] = dataclasses.asdict(getattr(self, name))
         self.hparams["lora"] = None if lora is None else dataclasses.asdict(lora)
-        settings = self.objective.settings()
-        settings.pop("name")
-        cls = type(self.objective)
-        self.hparams["objective"] = {
-            "class_path": f"{cls.__module__}.{cls.__qualname__}",
-            "init_args": settings,
-        }
+        self.hparams["objective"] = self.objective.hparams()
 
         self.reward_stats = RewardGroupStats()
-        self.ratio_stats = PolicyRatioStats(
-            clip_range=self.objective.clip_range,
-            clip_range_high=self.objective.clip_range_high,
-            num_steps=self.sampler.num_steps,
-            **dataclasses.asdict(self.diagnostics),
-        )
+        self.objective_stats = self.objective.diagnostics(self.sampler.num_steps, self.diagnostics)
         self.val_means = nn.ModuleDict()  # val-{core,aux}/<component>/mean@1, created on first use
         self.val_unscored = nn.ModuleDict()  # val-aux/<component>/unscored_count
         self._counters = {"skipped_optimizer_steps": 0, "nonfinite_losses": 0, "dropped_samples": 0}
@@ -150,35 +138,20 @@ class FlowGRPOModule(L.LightningModule):
     def _problems(self) -> list[str]:
         """Every settings problem, each naming its flag, found before any weight is read."""
         p = self.sampler.problems() + self.advantage.problems() + self.update.problems()
-        p += self.performance.problems()
-        if self.weights.lora is None:
-            # What the performance settings ask of the trained weights, known from the config alone
-            # (PerformanceSettings.apply would find it only once the weights are loaded).
-            for setting, why in (
-                (
-                    "fp8_base_matmuls",
-                    "converts the frozen linear layers, and a full fine-tune trains them all",
-                ),
-                ("rollout_merged_lora", "merges a LoRA adapter, and a full fine-tune has none"),
-            ):
-                if getattr(self.performance, setting):
-                    p.append(
-                        f"--model.performance.{setting} with a full fine-tune (--model.lora=null): it {why}; "
-                        "set --model.lora, or drop the setting"
-                    )
+        p += self.performance.problems(full_fine_tune=self.weights.lora is None)
         p += self.objective.problems(self.sampler.sde_type)
         p += self.weights.problems(self.objective.uses_reference)
         p += self.policy.problems() + self.policy.image_size_problems(self.sampler.height, self.sampler.width)
         weights = getattr(self.reward, "weights", None)
         if isinstance(weights, dict) and weights and not any(weights.values()):
-            p.append(f"--model.reward.weights are all 0 ({weights}): the reward is 0 by construction")
+            p.append(f"{flag('reward')}.weights are all 0 ({weights}): the reward is 0 by construction")
         try:
             _ = self.reward.core_components  # checks each reward's declaration
         except TypeError as err:
             p.append(str(err))
         if self.sampler.guidance_scale > 1 and not self.update.train_cfg:
             rank_zero_warn(
-                f"--model.update.train_cfg=false with guidance_scale={self.sampler.guidance_scale}: the update "
+                f"{flag('update')}.train_cfg=false with guidance_scale={self.sampler.guidance_scale}: the update "
                 "scores CFG samples under the conditional model only, so the ratio starts off-policy"
             )
         return p
@@ -188,33 +161,22 @@ class FlowGRPOModule(L.LightningModule):
         dm = getattr(self.trainer, "datamodule", None)
         problems: list[str] = []
         if dm is not None and stage == "fit" and hasattr(dm, "samples_per_step"):
-            world, total = self.trainer.world_size, dm.samples_per_step
+            world, total = self.data_parallel.size, dm.samples_per_step
             if total % world:
                 problems.append(
                     f"--data.prompts_per_step × --data.group_size ({total}) must be a multiple of the number "
-                    f"of ranks ({world})"
+                    f"of data-parallel ranks ({world})"
                 )
             elif (total // world) % self.update.micro_batch_size:
                 problems.append(
-                    f"--model.update.micro_batch_size ({self.update.micro_batch_size}) must divide the "
+                    f"{flag('update')}.micro_batch_size ({self.update.micro_batch_size}) must divide the "
                     f"per-rank batch ({total} samples / {world} ranks = {total // world}): change either"
                 )
         if dm is not None and isinstance(self.reward, MultiReward):
-            records = list(getattr(dm, "train_records", [])) + list(getattr(dm, "val_records", []))
-            for name, keys in self.reward.required_metadata().items():
-                for key in keys:
-                    missing = sum(1 for r in records if key not in r)
-                    if missing:
-                        problems.append(
-                            f"reward {name!r} needs metadata field {key!r}, missing in {missing} of "
-                            f"{len(records)} prompts: use a .jsonl prompt file whose records carry it"
-                        )
-            # Every prompt the run will draw is checked now, not when a rollout first draws it.
-            for flag, part in (("--data.train", "train_records"), ("--data.val", "val_records")):
-                found = self.reward.problems(list(getattr(dm, part, None) or []))
-                problems += [f"{flag}: {line}" for line in found[:10]]
-                if len(found) > 10:
-                    problems.append(f"{flag}: ... and {len(found) - 10} more")
+            parts = {"--data.train": "train_records", "--data.val": "val_records"}
+            problems += self.reward.prompt_problems(
+                {f: list(getattr(dm, a, None) or []) for f, a in parts.items()}
+            )
         problems += strategy_problems(self.trainer, dm, self.performance)
         if problems:
             raise SettingsError("invalid settings:\n  " + "\n  ".join(problems))
@@ -268,30 +230,42 @@ class FlowGRPOModule(L.LightningModule):
                 batch.seeds,
                 step=batch.step,
                 seed=self.seed,
-                keep_means=self.objective.needs_old_mean,
+                record=self.objective.records,
             )
         timings["gen"], t = self._clock() - t, self._clock()
         rewards = self._score(images, batch)
         timings["reward"], t = self._clock() - t, self._clock()
         advantages, keep = self._advantages(rewards, batch)
+        rollout = RolloutBatch(traj, embeds, advantages, batch.sample_ids.to(self.device), keep)
         timings["adv"], t = self._clock() - t, self._clock()
-        forwards = self._update(traj, embeds, advantages, keep, batch, timings)
+        done = self._update(rollout, batch.step)
+        timings["ref"] = done.reference_s
         timings["update_actor"] = self._clock() - t - timings["ref"]
         timings["step"] = self._clock() - start
-        self._log_step()
+        self._log_step(done)
         return StepOutput(
             timings=timings,
             num_images=len(batch),
             transformer_forwards={
                 "gen": traj.transformer_forwards * len(batch),
                 "old_log_prob": 0,
-                "ref": forwards["ref"],
-                "update_actor": forwards["update"],
+                "ref": done.forwards["ref"],
+                "update_actor": done.forwards["update"],
             },
             images=images.detach(),
             prompts=list(batch.prompts),
             rewards=rewards.total.detach(),
+            sample_ids=rollout.sample_ids,
+            advantages=advantages.detach(),
+            keep=keep,
+            trained_sample_ids=done.trained,
+            kept_per_rank=done.kept_per_rank,
         )
+
+    @property
+    def data_parallel(self) -> DataParallel:
+        """This rank among its data-parallel peers."""
+        return DataParallel.of(self._trainer)
 
     def _clock(self) -> float:
         if self.device.type == "cuda":
@@ -306,7 +280,8 @@ class FlowGRPOModule(L.LightningModule):
         local = rewards.total.to(self.device, torch.float32)  # (B,)
         group_ids = batch.group_ids.to(self.device)
         valid = torch.isfinite(local)
-        gathered = self._gather(torch.stack([local, group_ids.float()]))  # (2, W·B)
+        dp = self.data_parallel
+        gathered = dp.gather(torch.stack([local, group_ids.float()]))  # (2, W·B)
         adv, failure_rate = self.advantage.advantages(gathered[0], gathered[1].long())
         dropped = int((~valid).sum())
         if dropped:
@@ -314,8 +289,7 @@ class FlowGRPOModule(L.LightningModule):
             rank_zero_warn(
                 f"{dropped} of {len(local)} samples have no finite reward: dropped from the advantages"
             )
-        rank, size = self.global_rank, len(local)
-        mine = adv[rank * size : (rank + 1) * size]
+        mine = dp.mine(adv, len(local))
         keep = valid & (mine != 0) if self.advantage.filter_zero else valid
         # Every sample goes in, so the metric counts the unscored ones (critic/rewards/nonfinite_count);
         # it reduces groups exactly across ranks.
@@ -328,172 +302,49 @@ class FlowGRPOModule(L.LightningModule):
         self.log_dict(values, on_step=True, on_epoch=False)
         return mine, keep
 
-    def _gather(self, x: Tensor) -> Tensor:
-        """(…, B) on each rank → (…, W·B), rank-major, on every rank."""
-        if self.trainer.world_size == 1:
-            return x
-        return torch.cat(list(self.all_gather(x).unbind(0)), dim=-1)
-
-    def _balance(
-        self,
-        traj: Trajectory,
-        embeds: dict[str, Tensor],
-        advantages: Tensor,
-        sample_ids: Tensor,
-        kept: Tensor,
-        counts: list[int],
-    ) -> tuple[Trajectory, dict[str, Tensor], Tensor, Tensor, Tensor, list[int]]:
-        """``update.balance_load``: move kept samples between ranks so each trains ⌊K/R⌋ or ⌈K/R⌉."""
-        moves = balance_moves(counts)
-        after = list(counts)
-        for source, dest, n in moves:
-            after[source] -= n
-            after[dest] += n
-        self.log_dict(
-            {
-                "global_load/balanced_min": float(min(after) * traj.num_trained),
-                "global_load/balanced_max": float(max(after) * traj.num_trained),
-            },
-            on_step=True,
-            on_epoch=False,
-        )
-        if not moves:
-            return traj, embeds, advantages, sample_ids, kept, counts
-        fields = ["latents", "next_latents", "log_probs", "std_dev_t", "sqrt_dt", "final"]
-        if traj.prev_sample_means is not None:
-            fields.append("prev_sample_means")
-        rows = {f"traj.{name}": getattr(traj, name) for name in fields}
-        rows.update({f"embeds.{k}": v for k, v in embeds.items()})
-        rows.update(advantages=advantages, sample_ids=sample_ids)
-        flags = {name for name, t in rows.items() if t.dtype == torch.bool}  # collectives move numbers
-        rows = {name: t.to(torch.uint8) if name in flags else t for name, t in rows.items()}
-        blocks = send_rows(rows, kept, moves, self.global_rank)
-        gathered = {name: self.all_gather(block) for name, block in blocks.items()}  # (R, width, ...)
-        rows, n_kept = receive_rows(rows, kept, moves, self.global_rank, gathered)
-        rows = {name: t.bool() if name in flags else t for name, t in rows.items()}
-        traj = dataclasses.replace(traj, **{name: rows[f"traj.{name}"] for name in fields})
-        embeds = {k: rows[f"embeds.{k}"] for k in embeds}
-        kept = torch.arange(n_kept, device=kept.device)
-        return traj, embeds, rows["advantages"], rows["sample_ids"], kept, after
-
-    def _update(
-        self,
-        traj: Trajectory,
-        embeds: dict[str, Tensor],
-        advantages: Tensor,
-        keep: Tensor,
-        batch: PromptBatch,
-        timings: dict[str, float],
-    ) -> dict[str, int]:
-        settings = self.update
+    def _update(self, rollout: RolloutBatch, step: int) -> UpdateResult:
         opt, sched = self.optimizers(), self.lr_schedulers()
         self.policy.transformer.train()
-        forwards = {"update": 0, "ref": 0}
-        cfg = settings.train_cfg and self.sampler.guidance_scale > 1 and self.policy.uses_cfg_batch
-        per_forward = 2 if cfg else 1
-        guidance = self.sampler.guidance_scale if settings.train_cfg else 1.0
-        kept = keep.nonzero().flatten()  # one host read per rollout; none inside the loops below
-        # Every rank runs the same number of backward passes (DDP all-reduces inside each), so the
-        # micro-batch count is the largest over ranks; a rank with fewer kept samples pads with
-        # zero-weight ones.
-        kept_per_rank = self._gather(torch.tensor([float(len(kept))], device=self.device)).tolist()
-        self.log_dict(
-            load_balance([n * traj.num_trained for n in kept_per_rank]), on_step=True, on_epoch=False
+        transformer = self.policy.transformer
+        fp32 = {transformer.dtype, self.performance.resolved_dtype(transformer)} == {torch.float32}
+        guidance = self.sampler.guidance_scale if self.update.train_cfg else 1.0
+        done = run_update(
+            self.update,
+            self.objective,
+            VisitContext(self.policy, self.weights, guidance),
+            rollout,
+            UpdateHooks(
+                backward=self.manual_backward,
+                optimizer_step=lambda: self._optimizer_step(opt, sched),
+                log=lambda values: self.log_dict(values, on_step=True, on_epoch=False),
+                clock=self._clock,
+            ),
+            self.objective_stats,
+            dp=self.data_parallel,
+            generator=torch.Generator().manual_seed(self.seed * 7_919 + step),
+            on_policy_tol=self.update.on_policy_tolerance(fp32),
+            forwards_per_sample=cfg_forwards(self.policy, guidance),
         )
-        sample_ids = batch.sample_ids.to(self.device)  # once: a copy inside the loop would synchronise
-        if settings.balance_load and self.trainer.world_size > 1:
-            traj, embeds, advantages, sample_ids, kept, kept_per_rank = self._balance(
-                traj, embeds, advantages, sample_ids, kept, [int(n) for n in kept_per_rank]
-            )
-        n_micro = math.ceil(max(kept_per_rank) / settings.micro_batch_size)
-        applied = 0
-        if n_micro and traj.num_trained:
-            tol = settings.on_policy_tol
-            if tol is None:
-                transformer = self.policy.transformer
-                fp32 = {transformer.dtype, self.performance.resolved_dtype(transformer)} == {torch.float32}
-                tol = 1e-6 if fp32 else 1e-3
-            gen = torch.Generator().manual_seed(self.seed * 7_919 + batch.step)
-            first = True
+        self._idle.observe(done.optimizer_steps)
+        return done
 
-            @contextmanager
-            def reference_timer() -> Iterator[None]:
-                start = self._clock()
-                yield
-                timings["ref"] += self._clock() - start
-
-            for _ in range(settings.num_inner_epochs):
-                order = kept[torch.randperm(len(kept), generator=gen).to(kept.device)]
-                for chunk in settings.chunks(n_micro, traj.num_trained):
-                    for m, j in chunk:
-                        idx, live = settings.micro_batch(order, m, len(advantages))
-                        out = micro_step(
-                            self.policy, self.objective, self.weights, traj, embeds, advantages, idx, live, j,
-                            guidance, reference_timer,
-                        )  # fmt: skip
-                        forwards["update"] += per_forward * len(idx)
-                        forwards["ref"] += per_forward * len(idx) if self.objective.uses_reference else 0
-                        if first:
-                            self._on_policy_check(out.stats.ratio if out.stats is not None else None, tol)
-                            first = False
-                        # Accumulated on the device: no host read per (micro-batch, step).
-                        self._sums += torch.stack(
-                            [
-                                out.loss.detach(),
-                                out.pg_loss.detach(),
-                                out.kl.detach(),
-                                (~out.loss.isfinite()).float(),
-                            ]
-                        )
-                        self._n_losses += 1
-                        self.manual_backward(out.loss / len(chunk))
-                        if out.stats is not None:
-                            self.ratio_stats.update(
-                                out.new_log_prob,
-                                traj.log_probs[idx[:live], j],
-                                out.stats.advantages,
-                                ratio=out.stats.ratio,
-                                step=torch.full((live,), int(traj.step_indices[j]), device=self.device),
-                                sample_id=sample_ids[idx[:live]],
-                                std_dev_t=traj.std_dev_t[idx[:live], j],
-                                sqrt_dt=traj.sqrt_dt[idx[:live], j],
-                            )
-                    applied += self._optimizer_step(opt, sched)
-        self._idle.observe(applied)
-        return forwards
-
-    def _on_policy_check(self, ratio: Tensor | None, tol: float) -> None:
-        err = (ratio - 1).abs().mean() if ratio is not None else torch.zeros((), device=self.device)
-        err = float(self._mean_over_ranks(err))
-        self.log("actor/on_policy_ratio_err", err, on_step=True, on_epoch=False)
-        if err > tol:
-            rank_zero_warn(
-                f"on-policy check: mean |ratio − 1| = {err:.3g} before any update (tolerance {tol:g}). {ON_POLICY_CAUSES}"
-            )
-
-    def _optimizer_step(self, opt: Any, sched: Any) -> int:
-        """Clip and step; returns 1 if the weights changed, 0 if a non-finite gradient skipped the step."""
+    def _optimizer_step(self, opt: Any, sched: Any) -> bool:
+        """Clip and step; ``False`` if a non-finite gradient skipped the step."""
         params = [p for p in self.parameters() if p.requires_grad and p.grad is not None]
         self._grad_norm = clip_and_step(params, opt, sched, self.update.max_grad_norm)
         if math.isfinite(self._grad_norm):
-            return 1
+            return True
         self._counters["skipped_optimizer_steps"] += 1
         rank_zero_warn("non-finite gradient norm: optimizer step skipped, weights untouched")
-        return 0
-
-    def _mean_over_ranks(self, x: Tensor) -> Tensor:
-        if self.trainer.world_size == 1:
-            return x
-        return self.trainer.strategy.reduce(x, reduce_op="mean")
+        return False
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._sums = torch.zeros(4, device=self.device)  # loss, pg_loss, kl_loss, non-finite losses
-        self._n_losses = 0
         self._grad_norm = float("nan")
 
-    def _log_step(self) -> None:
-        loss, pg_loss, kl_loss, nonfinite = self._sums.tolist()  # the step's one read of the loss sums
-        n = max(self._n_losses, 1)
+    def _log_step(self, done: UpdateResult) -> None:
+        assert done.loss_sums is not None
+        loss, pg_loss, kl_loss, nonfinite = done.loss_sums.tolist()  # the step's one read of the loss sums
+        n = max(done.num_losses, 1)
         loss, pg_loss, kl_loss = loss / n, pg_loss / n, kl_loss / n
         self._counters["nonfinite_losses"] += int(nonfinite)
         values = {
@@ -510,19 +361,15 @@ class FlowGRPOModule(L.LightningModule):
         # The metrics reduce exact sufficient statistics across ranks inside compute() (a collective:
         # every rank calls it here). Logging the Metric objects themselves would log, per step, the
         # rank-local forward value: the very pooled-statistics error these metrics exist to avoid.
-        for metric in (self.reward_stats, self.ratio_stats):
-            # A rank whose micro-batches were all padding has no update, yet must join the collective.
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*compute.*before.*update.*")
-                values = metric.compute_prefixed()
-            self.log_dict({k: float(v) for k, v in values.items()}, on_step=True, on_epoch=False)
-        # The k (image, step) pairs of highest KL over all ranks (--model.diagnostics.top_k_kl).
-        for i, record in enumerate(self.ratio_stats.top_kl_records):
-            self.log_dict(
-                {f"actor/top_kl/{i}/{k}": float(v) for k, v in record.items()}, on_step=True, on_epoch=False
-            )
-        for metric in (self.reward_stats, self.ratio_stats):
-            metric.reset()
+        # A rank whose micro-batches were all padding has no update, yet must join the collective.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*compute.*before.*update.*")
+            rewards = {k: float(v) for k, v in self.reward_stats.compute_prefixed().items()}
+            objective = self.objective.diagnostics_values(self.objective_stats)
+        self.log_dict(rewards, on_step=True, on_epoch=False)
+        self.log_dict(objective, on_step=True, on_epoch=False)
+        self.reward_stats.reset()
+        self.objective_stats.reset()
 
     # ----------------------------------------------------------------------------------------------
     # Validation
@@ -558,7 +405,7 @@ class FlowGRPOModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         params = [p for p in self.parameters() if p.requires_grad]
         if not params:
-            raise ValueError("no trainable parameter: set --model.lora or train the full transformer")
+            raise ValueError(f"no trainable parameter: set {flag('lora')} or train the full transformer")
         if self.optimizer_factory is None:
             optimizer = torch.optim.AdamW(params, lr=3e-4, weight_decay=1e-4)
         else:
@@ -616,5 +463,7 @@ class FlowGRPOModule(L.LightningModule):
     def export_lora(self, path: str, overwrite: bool = False) -> None:
         """Write the LoRA adapter (:meth:`export` of a LoRA run)."""
         if self.lora is None:
-            raise ValueError("export_lora needs a LoRA run (--model.lora); use export() for a full fine-tune")
+            raise ValueError(
+                f"export_lora needs a LoRA run ({flag('lora')}); use export() for a full fine-tune"
+            )
         self.export(path, overwrite=overwrite)

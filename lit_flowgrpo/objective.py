@@ -1,12 +1,20 @@
-"""Policy objectives: Flow-GRPO and GRPO-Guard as small classes behind one interface.
+"""Policy objectives: Flow-GRPO and both GRPO-Guard forms as small dataclasses behind one interface.
 
-An objective owns the settings of the loss (clip range, advantage clip, KL coefficient and form),
-validates them once, and turns one scored micro-batch of one denoising step into a loss. The math is
-the pure functions of :mod:`lit_flowgrpo.algorithms`; this file only chooses and wires them.
+An objective declares what the update needs of it, and the update loop (:mod:`lit_flowgrpo.update`)
+only asks (STYLE.md 13):
 
-A new objective is a new subclass (registered by its ``name``), not a branch in the update loop::
+- :attr:`Objective.records`: what the rollout must record (the transitions, μ_old);
+- :attr:`Objective.sde_types`: the SDE steps its loss is defined for;
+- :meth:`Objective.visits`: which visits the update makes per micro-batch (today: each trained step);
+- :meth:`Objective.visit`: the loss of one visit;
+- :meth:`Objective.diagnostics`: the metric it logs (today :class:`~lit_flowgrpo.metrics.PolicyRatioStats`).
 
-    class MyObjective(Objective):
+Settings are dataclass fields, so a subclass changes a default in one line and :meth:`settings` is
+``dataclasses.asdict``. The math is the pure functions of :mod:`lit_flowgrpo.algorithms`; this file
+only chooses and wires them. A new ratio objective is a new subclass, not a branch in the loop::
+
+    @dataclass
+    class MyObjective(RatioObjective):
         name = "my_objective"
 
         def policy_loss(self, scored: ScoredStep) -> tuple[Tensor, PolicyStats]: ...
@@ -14,10 +22,15 @@ A new objective is a new subclass (registered by its ``name``), not a branch in 
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
+from torchmetrics import Metric
 
 from lit_flowgrpo.algorithms import (
     PolicyStats,
@@ -26,18 +39,53 @@ from lit_flowgrpo.algorithms import (
     kl_to_reference,
     ratio_norm_loss,
 )
+from lit_flowgrpo.errors import flag
+from lit_flowgrpo.lora import TrainableWeights
+from lit_flowgrpo.metrics import DiagnosticsSettings, PolicyRatioStats, clip_range_problems
+from lit_flowgrpo.policies.base import FlowPolicy, index_embeds
+from lit_flowgrpo.rollout import Record, RolloutBatch
 
 __all__ = [
     "FlowGRPO",
     "GRPOGuard",
     "GRPOGuardRatioNorm",
     "Objective",
+    "RatioObjective",
     "ScoredStep",
+    "Visit",
+    "VisitContext",
     "available_objectives",
     "build_objective",
 ]
 
 _REGISTRY: dict[str, type[Objective]] = {}
+
+
+@dataclass
+class VisitContext:
+    """What stays fixed over one update: the networks, the CFG scale, the reference timer."""
+
+    policy: FlowPolicy
+    weights: TrainableWeights
+    """The trainable weights (their :meth:`~lit_flowgrpo.lora.TrainableWeights.reference` gives the KL reference)."""
+    guidance: float
+    """CFG scale of the update's forwards (1: the conditional model alone)."""
+    reference_timer: Callable[[], AbstractContextManager[Any]] = nullcontext
+    """Wrapped around the reference forward (the ``ref`` stage's clock)."""
+
+
+@dataclass
+class Visit:
+    """What one visit (one micro-batch at one of the objective's visits) computed."""
+
+    loss: Tensor
+    """Scalar: the objective's loss + β·KL (padding rows excluded), differentiable."""
+    pg_loss: Tensor
+    kl: Tensor
+    on_policy_error: Tensor
+    """Scalar: mean |ratio − 1| of the live rows (0 when every row was padding)."""
+    diagnostics: dict[str, Tensor] | None
+    """Keyword arguments of the diagnostics metric's ``update`` (``None`` when every row was padding)."""
 
 
 @dataclass
@@ -53,7 +101,7 @@ class ScoredStep:
     prev_sample_mean: Tensor
     """(N, *latent) μ_θ (differentiable)."""
     old_prev_sample_mean: Tensor | None
-    """(N, *latent) μ_old, recorded when the objective asked for it (:attr:`Objective.needs_old_mean`)."""
+    """(N, *latent) μ_old, recorded when the objective asked for it (``"means"`` in :attr:`Objective.records`)."""
     std_dev_t: Tensor
     """(N,) the step's diffusion coefficient."""
     sqrt_dt: Tensor
@@ -61,7 +109,72 @@ class ScoredStep:
 
 
 class Objective:
-    """The loss of the policy update: a clipped policy term plus β·KL to the reference policy.
+    """The loss of the policy update, and what it needs from the rollout and the update loop.
+
+    Subclasses are dataclasses of their settings; this base holds none.
+    """
+
+    name: ClassVar[str] = ""
+    #: What the rollout must record of its trained steps (:data:`lit_flowgrpo.rollout.RECORDS`).
+    records: ClassVar[tuple[Record, ...]] = ("transitions",)
+    #: The SDE step types whose transition this objective's loss is defined for (empty: any).
+    sde_types: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.name:
+            _REGISTRY[cls.name] = cls
+
+    def problems(self, sde_type: str, flag_path: str = "") -> list[str]:
+        """Problems with these settings, and with the sampler's ``sde_type`` (empty when fine)."""
+        if self.sde_types and sde_type not in self.sde_types:
+            return [
+                f"--model.init_args.objective={type(self).__module__}.{type(self).__qualname__} needs "
+                f"{flag('sampler')}.sde_type in {list(self.sde_types)} (got {sde_type!r}): its loss is "
+                "defined for that step only; use FlowGRPO with other steps"
+            ]
+        return []
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether a visit runs the reference policy (the KL term is on)."""
+        return False
+
+    @property
+    def kl_coef(self) -> float:
+        return 0.0
+
+    def visits(self, batch: RolloutBatch) -> Sequence[int]:
+        """The visits the update makes to each micro-batch, in order."""
+        raise NotImplementedError
+
+    def visit(self, ctx: VisitContext, batch: RolloutBatch, idx: Tensor, live: int, v: int) -> Visit:
+        """The loss of visit ``v`` to samples ``idx`` of ``batch``; the first ``live`` rows count, the
+        rest are padding that keeps every rank's backward count equal."""
+        raise NotImplementedError
+
+    def diagnostics(self, num_steps: int, settings: DiagnosticsSettings) -> Metric:
+        """The metric that :attr:`Visit.diagnostics` updates."""
+        raise NotImplementedError
+
+    def diagnostics_values(self, metric: Metric) -> dict[str, float]:
+        """The logged values of the metric (a collective: every rank calls it)."""
+        return {k: float(v) for k, v in metric.compute_prefixed().items()}
+
+    def settings(self) -> dict[str, Any]:
+        """Plain values for checkpoints and loggers: the dataclass fields and the ``name``."""
+        return {"name": self.name, **dataclasses.asdict(self)}  # type: ignore[call-overload]
+
+    def hparams(self) -> dict[str, Any]:
+        """``class_path`` + ``init_args``: the form the CLI parses back (checkpoints store it)."""
+        cls = type(self)
+        return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": dataclasses.asdict(self)}  # type: ignore[call-overload]
+
+
+@dataclass(repr=False)
+class RatioObjective(Objective):
+    """A clipped importance ratio of the recorded SDE transitions plus β·KL to the reference; the
+    update visits every trained step of every sample.
 
     Args:
         clip_range: ε of the ratio clip.
@@ -71,52 +184,29 @@ class Objective:
         kl_with_dt: the paper's KL, which also divides by |dt|, instead of the published code's.
     """
 
-    name: ClassVar[str] = ""
-    #: The rollout must record μ_old for this objective.
-    needs_old_mean: ClassVar[bool] = False
-    #: The SDE step types whose transition this objective's ratio is defined for (empty: any).
-    sde_types: ClassVar[tuple[str, ...]] = ()
+    clip_range: float = 1e-4
+    clip_range_high: float | None = None
+    adv_clip_max: float = 5.0
+    kl_coef: float = 0.0  # type: ignore[assignment]
+    kl_with_dt: bool = False
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if cls.name:
-            _REGISTRY[cls.name] = cls
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self).items())
+        return f"{type(self).__name__}({args})"
 
-    def __init__(
-        self,
-        clip_range: float = 1e-4,
-        clip_range_high: float | None = None,
-        adv_clip_max: float = 5.0,
-        kl_coef: float = 0.0,
-        kl_with_dt: bool = False,
-    ) -> None:
-        self.clip_range = clip_range
-        self.clip_range_high = clip_range_high
-        self.adv_clip_max = adv_clip_max
-        self.kl_coef = kl_coef
-        self.kl_with_dt = kl_with_dt
+    @property
+    def clip_high(self) -> float:
+        """ε_high resolved: ``clip_range_high``, or ``clip_range`` when that is ``None``."""
+        return self.clip_range if self.clip_range_high is None else self.clip_range_high
 
-    def problems(self, sde_type: str, flag: str = "--model.objective") -> list[str]:
-        """Problems with these settings, and with the sampler's ``sde_type`` (empty when fine)."""
-        p = []
-        a = f"{flag}.init_args."
-        # The metric and the clamp need a proper interval (1 − ε, 1 + ε_high) around 1.
-        if not 0 < self.clip_range < 1:
-            p.append(
-                f"{a}clip_range ({self.clip_range}) must lie in (0, 1): Flow-GRPO uses 1e-4, GRPO-Guard ~2e-6"
-            )
-        if self.clip_range_high is not None and not self.clip_range_high > 0:
-            p.append(f"{a}clip_range_high ({self.clip_range_high}) must be > 0, or null to use clip_range")
+    def problems(self, sde_type: str, flag_path: str = "") -> list[str]:
+        a = f"{flag_path or flag('objective')}."
+        p = clip_range_problems(self.clip_range, self.clip_range_high, prefix=a)
         if not self.adv_clip_max > 0:
             p.append(f"{a}adv_clip_max ({self.adv_clip_max}) must be > 0 (Flow-GRPO uses 5.0)")
         if not self.kl_coef >= 0:
             p.append(f"{a}kl_coef ({self.kl_coef}) must be >= 0")
-        if self.sde_types and sde_type not in self.sde_types:
-            p.append(
-                f"{flag} {type(self).__name__} needs --model.sampler.sde_type in {list(self.sde_types)} "
-                f"(got {sde_type!r}): its ratio is defined for that step only; use FlowGRPO with other steps"
-            )
-        return p
+        return p + super().problems(sde_type, flag_path)
 
     @property
     def uses_reference(self) -> bool:
@@ -135,26 +225,73 @@ class Objective:
             sqrt_dt=scored.sqrt_dt if self.kl_with_dt else None,
         )
 
-    def settings(self) -> dict[str, Any]:
-        """Plain values for checkpoints and loggers."""
-        return {
-            "name": self.name,
-            "clip_range": self.clip_range,
-            "clip_range_high": self.clip_range_high,
-            "adv_clip_max": self.adv_clip_max,
-            "kl_coef": self.kl_coef,
-            "kl_with_dt": self.kl_with_dt,
-        }
+    def visits(self, batch: RolloutBatch) -> Sequence[int]:
+        return range(batch.trajectory.num_trained)
 
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.settings().items() if k != "name")
-        return f"{type(self).__name__}({args})"
+    def visit(self, ctx: VisitContext, batch: RolloutBatch, idx: Tensor, live: int, v: int) -> Visit:
+        """Re-score trained step ``v`` of samples ``idx`` under the current policy (and the reference,
+        when the KL term is on) and return the loss of the first ``live`` rows."""
+        traj, j, policy = batch.trajectory, v, ctx.policy
+        x, cond = traj.latents[idx, j], index_embeds(batch.embeds, idx)
+        sigma = torch.full((len(idx),), float(traj.sigmas[j]), device=x.device)
+        ref_mean = None
+        if self.uses_reference:
+            # Before the θ forward: a full fine-tune's reference swaps in weights the θ graph would save.
+            with ctx.reference_timer(), torch.no_grad(), ctx.weights.reference(policy):
+                ref_mean = traj.score(policy.velocity(x, sigma, cond, ctx.guidance), j, idx).prev_sample_mean
+        step = traj.score(policy.velocity(x, sigma, cond, ctx.guidance), j, idx)
+        zero = torch.zeros((), device=x.device)
+        if not live:
+            # Padding only keeps every rank's backward count equal; touching the graph lets DDP see
+            # every parameter.
+            pg_loss = step.log_prob.sum() * 0.0
+            return Visit(pg_loss, pg_loss, zero, zero, None)
+        rows = idx[:live]
+        scored = ScoredStep(
+            log_prob=step.log_prob[:live],
+            old_log_prob=traj.log_probs[rows, j],
+            advantages=batch.advantages[rows],
+            prev_sample_mean=step.prev_sample_mean[:live],
+            old_prev_sample_mean=None if traj.prev_sample_means is None else traj.prev_sample_means[rows, j],
+            std_dev_t=traj.std_dev_t[rows, j],
+            sqrt_dt=traj.sqrt_dt[rows, j],
+        )
+        pg_loss, stats = self.policy_loss(scored)
+        kl = self.kl(scored, ref_mean[:live]).mean() if ref_mean is not None else zero
+        loss = pg_loss + self.kl_coef * kl
+        diagnostics = dict(
+            log_prob=step.log_prob.detach()[:live],
+            old_log_prob=scored.old_log_prob,
+            advantages=stats.advantages,
+            ratio=stats.ratio,
+            step=torch.full((live,), int(traj.step_indices[j]), device=x.device),
+            sample_id=batch.sample_ids[rows],
+            std_dev_t=scored.std_dev_t,
+            sqrt_dt=scored.sqrt_dt,
+        )
+        return Visit(loss, pg_loss, kl, (stats.ratio - 1).abs().mean(), diagnostics)
+
+    def diagnostics(self, num_steps: int, settings: DiagnosticsSettings) -> Metric:
+        return PolicyRatioStats(
+            clip_range=self.clip_range,
+            clip_range_high=self.clip_high,
+            num_steps=num_steps,
+            **dataclasses.asdict(settings),
+        )
+
+    def diagnostics_values(self, metric: Metric) -> dict[str, float]:
+        values = super().diagnostics_values(metric)
+        # The k (image, step) pairs of highest KL over all ranks (--model.init_args.diagnostics.top_k_kl).
+        for i, record in enumerate(metric.top_kl_records):
+            values.update({f"actor/top_kl/{i}/{k}": float(v) for k, v in record.items()})
+        return values
 
 
-class FlowGRPO(Objective):
+@dataclass(repr=False)
+class FlowGRPO(RatioObjective):
     """Flow-GRPO's clipped ratio of the step log-probs (arXiv:2505.05470), ε = 1e-4 by default."""
 
-    name = "flow_grpo"
+    name: ClassVar[str] = "flow_grpo"
 
     def policy_loss(self, scored: ScoredStep) -> tuple[Tensor, PolicyStats]:
         return flow_grpo_loss(
@@ -167,26 +304,19 @@ class FlowGRPO(Objective):
         )
 
 
-class GRPOGuard(Objective):
+@dataclass(repr=False)
+class GRPOGuard(RatioObjective):
     """GRPO-Guard's re-centred, step-balanced ratio (arXiv:2510.22319), as the published code computes
     it; ε ≈ 2e-6 in this unit. Needs μ_old from the rollout and the Gaussian ``"sde"`` step."""
 
-    name = "grpo_guard"
-    needs_old_mean = True
-    sde_types = ("sde",)
+    name: ClassVar[str] = "grpo_guard"
+    records: ClassVar[tuple[Record, ...]] = ("transitions", "means")
+    sde_types: ClassVar[tuple[str, ...]] = ("sde",)
 
-    def __init__(
-        self,
-        clip_range: float = 2e-6,
-        clip_range_high: float | None = None,
-        adv_clip_max: float = 5.0,
-        kl_coef: float = 0.0,
-        kl_with_dt: bool = False,
-    ) -> None:
-        super().__init__(clip_range, clip_range_high, adv_clip_max, kl_coef, kl_with_dt)
+    clip_range: float = 2e-6
 
     def policy_loss(self, scored: ScoredStep) -> tuple[Tensor, PolicyStats]:
-        assert scored.old_prev_sample_mean is not None  # guaranteed by needs_old_mean
+        assert scored.old_prev_sample_mean is not None  # recorded: "means" is in records
         return grpo_guard_loss(
             scored.log_prob,
             scored.old_log_prob,
@@ -201,7 +331,8 @@ class GRPOGuard(Objective):
         )
 
 
-class GRPOGuardRatioNorm(Objective):
+@dataclass(repr=False)
+class GRPOGuardRatioNorm(RatioObjective):
     """GRPO-Guard as its blog post describes it (:func:`~lit_flowgrpo.algorithms.ratio_norm_loss`):
     the Flow-GRPO ratio of each step normalised over the batch, and each sample's steps weighted by
     1/r̂. Needs no μ_old and works with any ``sde_type``.
@@ -221,33 +352,23 @@ class GRPOGuardRatioNorm(Objective):
     Args:
         clip_range: ε on r̂ (the Flow-GRPO unit: 1e-4 on SD3.5, 1e-3 on the shapes world).
         target_std: the spread r̂ keeps at most; ``None``: ``clip_range / 2``.
-        (others as :class:`Objective`)
+        (others as :class:`RatioObjective`)
     """
 
-    name = "grpo_guard_ratio_norm"
+    name: ClassVar[str] = "grpo_guard_ratio_norm"
 
-    def __init__(
-        self,
-        clip_range: float = 1e-4,
-        clip_range_high: float | None = None,
-        adv_clip_max: float = 5.0,
-        kl_coef: float = 0.0,
-        kl_with_dt: bool = False,
-        target_std: float | None = None,
-    ) -> None:
-        super().__init__(clip_range, clip_range_high, adv_clip_max, kl_coef, kl_with_dt)
-        self.target_std = target_std
+    target_std: float | None = None
 
     @property
     def resolved_target_std(self) -> float:
         return self.clip_range / 2 if self.target_std is None else self.target_std
 
-    def problems(self, sde_type: str, flag: str = "--model.objective") -> list[str]:
-        p = super().problems(sde_type, flag)
+    def problems(self, sde_type: str, flag_path: str = "") -> list[str]:
+        p = super().problems(sde_type, flag_path)
         if self.target_std is not None and not 0 < self.target_std < 0.1:
             p.append(
-                f"{flag}.init_args.target_std ({self.target_std}) must lie in (0, 0.1): it is a spread of "
-                "ratios around 1 of the clip range's size; null uses clip_range / 2"
+                f"{flag_path or flag('objective')}.target_std ({self.target_std}) must lie in (0, 0.1): it is "
+                "a spread of ratios around 1 of the clip range's size; null uses clip_range / 2"
             )
         return p
 
@@ -261,9 +382,6 @@ class GRPOGuardRatioNorm(Objective):
             adv_clip_max=self.adv_clip_max,
             target_std=self.resolved_target_std,
         )
-
-    def settings(self) -> dict[str, Any]:
-        return {**super().settings(), "target_std": self.target_std}
 
 
 def available_objectives() -> list[str]:

@@ -82,8 +82,22 @@ class PerformanceSettings:
     fp8_base_matmuls: bool = False
     rollout_merged_lora: bool = False
 
-    def problems(self, flag: str = "--model.performance") -> list[str]:
+    def problems(
+        self, flag: str = "--model.init_args.performance", full_fine_tune: bool = False
+    ) -> list[str]:
+        """Every problem with these settings; ``full_fine_tune``: also what they ask of trained weights
+        that a full fine-tune cannot give, known from the config alone (:meth:`apply` would find it
+        only once the weights are loaded)."""
         p = []
+        for setting, why in (
+            ("fp8_base_matmuls", "converts the frozen linear layers, and a full fine-tune trains them all"),
+            ("rollout_merged_lora", "merges a LoRA adapter, and a full fine-tune has none"),
+        ):
+            if full_fine_tune and getattr(self, setting):
+                p.append(
+                    f"{flag}.{setting} with a full fine-tune (--model.init_args.lora=null): it {why}; "
+                    "set --model.init_args.lora, or drop the setting"
+                )
         if self.compute_dtype not in ("auto", *_DTYPES):
             p.append(
                 f"{flag}.compute_dtype ({self.compute_dtype}) must be auto, float32, bfloat16 or float16"
@@ -149,8 +163,8 @@ class PerformanceSettings:
 
             if not convert_frozen_linears(_repeated_blocks(transformer, "fp8_base_matmuls")):
                 raise ValueError(
-                    "--model.performance.fp8_base_matmuls: the transformer blocks have no frozen "
-                    "linear layer (a full fine-tune trains them all): use it with --model.lora"
+                    "--model.init_args.performance.fp8_base_matmuls: the transformer blocks have no frozen "
+                    "linear layer (a full fine-tune trains them all): use it with --model.init_args.lora"
                 )
         if self.compile_blocks:
             _compile_repeated_blocks(transformer, self.compile_backend)
@@ -162,7 +176,7 @@ class PerformanceSettings:
         decoder = getattr(vae, "decoder", None)
         if not isinstance(decoder, nn.Module):
             raise ValueError(
-                f"--model.performance.compile_decoder: the policy's VAE ({type(vae).__name__}) has no "
+                f"--model.init_args.performance.compile_decoder: the policy's VAE ({type(vae).__name__}) has no "
                 "`decoder` module to compile: set it to false"
             )
         decoder.compile(backend=self.compile_backend, dynamic=False)
@@ -244,9 +258,9 @@ def _mergeable_lora_layers(transformer: nn.Module) -> list[Any]:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
-    flag = "--model.performance.rollout_merged_lora"
+    flag = "--model.init_args.performance.rollout_merged_lora"
     if not layers:
-        raise ValueError(f"{flag} needs a LoRA adapter (--model.lora): there is nothing to merge")
+        raise ValueError(f"{flag} needs a LoRA adapter (--model.init_args.lora): there is nothing to merge")
     for layer in layers:
         if not isinstance(layer, LoraLinear) or layer.lora_variant or layer.merged or layer.disable_adapters:
             raise ValueError(
@@ -273,7 +287,7 @@ def _repeated_blocks(transformer: nn.Module, setting: str) -> list[nn.Module]:
     classes = set(getattr(transformer, "_repeated_blocks", None) or _block_classes(transformer))
     if not classes:
         raise ValueError(
-            f"--model.performance.{setting}: {type(transformer).__name__} has no repeated blocks "
+            f"--model.init_args.performance.{setting}: {type(transformer).__name__} has no repeated blocks "
             "(no _repeated_blocks and no list of same-class layers): set it to false"
         )
     return [m for m in transformer.modules() if type(m).__name__ in classes]

@@ -10,8 +10,10 @@ transition: the update cannot score under different settings than the rollout sa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, fields
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -19,7 +21,20 @@ from torch import Tensor
 from lit_flowgrpo.policies.base import Embeds, FlowPolicy, index_embeds
 from lit_flowgrpo.sde import SDEStep, SDEType, sde_step_with_logprob
 
-__all__ = ["Sampler", "Trajectory", "initial_noise", "per_sample_generators", "sample_trajectory"]
+__all__ = [
+    "RolloutBatch",
+    "Sampler",
+    "Trajectory",
+    "cfg_forwards",
+    "initial_noise",
+    "per_sample_generators",
+    "sample_trajectory",
+]
+
+#: What a rollout can record of its trained steps: the transitions (x, x_next, log-prob, std, √dt)
+#: and μ_old of each.
+Record = Literal["transitions", "means"]
+RECORDS: tuple[Record, ...] = ("transitions", "means")
 
 
 @dataclass
@@ -63,7 +78,7 @@ class Sampler:
         if self.sde_window_range is not None:
             self.sde_window_range = tuple(self.sde_window_range)  # YAML gives a list
 
-    def problems(self, flag: str = "--model.sampler") -> list[str]:
+    def problems(self, flag: str = "--model.init_args.sampler") -> list[str]:
         """Every problem with these settings (empty when fine); checked before any weight is read."""
         p: list[str] = []
         for name in ("num_steps", "eval_num_steps", "height", "width"):
@@ -122,7 +137,7 @@ class Sampler:
         *,
         step: int,
         seed: int,
-        keep_means: bool = False,
+        record: Collection[Record] = ("transitions",),
     ) -> tuple[Trajectory, Tensor]:
         """Sample the training batch, recording its trained steps; returns (trajectory, images).
 
@@ -132,7 +147,9 @@ class Sampler:
             seeds: (B,) per-sample noise seeds.
             step: the training step (chooses the Flow-GRPO-Fast window).
             seed: the run's seed (chooses the window).
-            keep_means: also record μ_old (GRPO-Guard needs it).
+            record: what to record of the trained steps (the objective's
+                :attr:`~lit_flowgrpo.objective.Objective.records`): ``"transitions"`` (x, x_next,
+                log-prob, std, √dt) and ``"means"`` (μ_old); the final latent is always kept.
         """
         sde_steps, train_steps = self.plan(step, seed)
         transformer = policy.transformer
@@ -155,7 +172,7 @@ class Sampler:
                     sde_steps=sde_steps,
                     train_steps=train_steps,
                     generators=generators,
-                    keep_means=keep_means,
+                    record=record,
                 )
                 images.append(policy.decode(traj.final))
                 parts.append(traj)
@@ -262,26 +279,70 @@ class Trajectory:
             sigma_max=self.sigma_max,
         )
 
+    #: The per-sample fields (first dimension B), in one list: concatenation and rank balancing move
+    #: exactly these. The rest are the step settings, shared by every sample.
+    SAMPLE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "latents",
+        "next_latents",
+        "log_probs",
+        "std_dev_t",
+        "sqrt_dt",
+        "final",
+        "prev_sample_means",
+    )
+
+    def sample_rows(self) -> dict[str, Tensor]:
+        """Every per-sample tensor by field name (the unrecorded ones left out)."""
+        return {f: getattr(self, f) for f in self.SAMPLE_FIELDS if getattr(self, f) is not None}
+
     @staticmethod
     def cat(parts: Sequence[Trajectory]) -> Trajectory:
         """Join trajectories of the same rollout drawn in sample chunks (along the batch)."""
         if len(parts) == 1:
             return parts[0]
-        first = parts[0]
-        batch_fields = ("latents", "next_latents", "log_probs", "std_dev_t", "sqrt_dt", "final")
-        joined = {name: torch.cat([getattr(p, name) for p in parts]) for name in batch_fields}
-        means = None if first.prev_sample_means is None else torch.cat([p.prev_sample_means for p in parts])
-        return Trajectory(
-            **joined,
-            prev_sample_means=means,
-            sigmas=first.sigmas,
-            sigmas_next=first.sigmas_next,
-            step_indices=first.step_indices,
-            transformer_forwards=first.transformer_forwards,
-            noise_level=first.noise_level,
-            sde_type=first.sde_type,
-            sigma_max=first.sigma_max,
+        rows = [p.sample_rows() for p in parts]
+        return dataclasses.replace(parts[0], **{f: torch.cat([r[f] for r in rows]) for f in rows[0]})
+
+
+@dataclass
+class RolloutBatch:
+    """This rank's rollout batch as the update walks it: the trajectory, its conditioning, the
+    advantages, the sample ids and which samples are kept (finite reward, and non-zero advantage
+    under ``filter_zero``). :meth:`rows` is the one list of its per-sample tensors."""
+
+    trajectory: Trajectory
+    embeds: Embeds
+    """Conditioning, one row per sample."""
+    advantages: Tensor
+    """(B,) fp32."""
+    sample_ids: Tensor
+    """(B,) int64: each sample's id in the step (the metrics' key)."""
+    keep: Tensor
+    """(B,) bool: the samples the update trains."""
+
+    def __len__(self) -> int:
+        return len(self.advantages)
+
+    def rows(self) -> dict[str, Tensor]:
+        """Every per-sample tensor, by a name that :meth:`with_rows` reads back."""
+        out = {f"trajectory.{k}": v for k, v in self.trajectory.sample_rows().items()}
+        out.update({f"embeds.{k}": v for k, v in self.embeds.items()})
+        out.update(advantages=self.advantages, sample_ids=self.sample_ids, keep=self.keep)
+        return out
+
+    def with_rows(self, rows: dict[str, Tensor]) -> RolloutBatch:
+        """This batch with its per-sample tensors replaced by ``rows`` (as :meth:`rows` names them)."""
+        traj = dataclasses.replace(
+            self.trajectory, **{k: rows[f"trajectory.{k}"] for k in self.trajectory.sample_rows()}
         )
+        embeds = {k: rows[f"embeds.{k}"] for k in self.embeds}
+        return RolloutBatch(traj, embeds, rows["advantages"], rows["sample_ids"], rows["keep"])
+
+    @staticmethod
+    def cat(parts: Sequence[RolloutBatch]) -> RolloutBatch:
+        """Join batches along the samples."""
+        rows = [p.rows() for p in parts]
+        return parts[0].with_rows({name: torch.cat([r[name] for r in rows]) for name in rows[0]})
 
 
 @torch.no_grad()
@@ -297,7 +358,7 @@ def sample_trajectory(
     sde_steps: Sequence[int],
     train_steps: Sequence[int],
     generators: Sequence[torch.Generator] | None = None,
-    keep_means: bool = False,
+    record: Collection[Record] = ("transitions",),
 ) -> Trajectory:
     """Sample B images from ``noise`` and record the trained steps (the denoising loop).
 
@@ -312,13 +373,19 @@ def sample_trajectory(
         sde_steps: steps that draw noise (the rest are ODE steps).
         train_steps: steps recorded for the update (a subset of ``sde_steps``).
         generators: one generator per sample, so each sample's noise is independent of the batch.
-        keep_means: also record μ_old (GRPO-Guard needs it).
+        record: what to record of the trained steps (see :meth:`Sampler.rollout`).
     """
     sigmas = sigmas.to(torch.float32)
     num_steps = sigmas.numel() - 1
     sde_set, train_set = set(sde_steps), set(train_steps)
     if not train_set <= sde_set:
         raise ValueError(f"trained steps {sorted(train_set - sde_set)} are not stochastic steps")
+    unknown = set(record) - set(RECORDS)
+    if unknown:
+        raise ValueError(f"unknown rollout records {sorted(unknown)}: choose from {list(RECORDS)}")
+    if "transitions" not in record:
+        train_set = set()  # nothing of the steps is kept (an objective that trains on the final sample)
+    keep_means = "means" in record
     sigma_list = sigmas.tolist()  # one host read for the whole loop
     # Flow-GRPO evaluates σ/(1−σ) at σ = 1 with the schedule's second sigma instead.
     sigma_max = sigma_list[1] if num_steps > 1 and 0 < sigma_list[1] < 1 else None
@@ -327,7 +394,7 @@ def sample_trajectory(
     x = noise.to(torch.float32)
     record: dict[str, list[Tensor]] = {k: [] for k in ("x", "x_next", "logp", "mean", "std", "sqrt_dt")}
     forwards = 0
-    per_forward = 2 if (guidance_scale > 1.0 and policy.uses_cfg_batch) else 1
+    per_forward = cfg_forwards(policy, guidance_scale)
     for j in range(num_steps):
         sigma, sigma_next = sigma_list[j], sigma_list[j + 1]
         velocity = policy.velocity(x, torch.full((batch,), sigma, device=device), embeds, guidance_scale)
@@ -371,6 +438,12 @@ def sample_trajectory(
         sde_type=sde_type,
         sigma_max=sigma_max,
     )
+
+
+def cfg_forwards(policy: FlowPolicy, guidance_scale: float) -> int:
+    """Single-sample transformer forwards per sample and step: 2 where CFG runs as one batched
+    forward of the conditional and unconditional halves, else 1 (FLUX's distilled guidance)."""
+    return 2 if (guidance_scale > 1.0 and policy.uses_cfg_batch) else 1
 
 
 def per_sample_generators(seeds: Tensor, device: torch.device | str) -> list[torch.Generator]:

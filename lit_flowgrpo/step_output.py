@@ -32,6 +32,18 @@ class StepOutput(TypedDict):
     prompts: list[str]
     rewards: Tensor
     """(B,) total reward (NaN where the sample could not be scored)."""
+    sample_ids: Tensor
+    """(B,) each rollout sample's id in the step (unique over all ranks)."""
+    advantages: Tensor
+    """(B,) each sample's advantage."""
+    keep: Tensor
+    """(B,) bool: the samples kept for the update (finite reward; non-zero advantage under
+    ``filter_zero``)."""
+    trained_sample_ids: Tensor
+    """(K,) the ids of the samples this rank trained (after ``balance_load``, some may come from
+    other ranks)."""
+    kept_per_rank: list[int]
+    """Samples each rank trained (after ``balance_load``)."""
 
 
 class ValidationOutput(TypedDict):

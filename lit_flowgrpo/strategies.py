@@ -313,25 +313,25 @@ def strategy_problems(trainer: Any, dm: Any, performance: Any) -> list[str]:
 
         if isinstance(strategy, FSDP2Strategy):
             return [
-                "--model.performance.fp8_base_matmuls keeps whole float8 copies of the frozen weights "
+                "--model.init_args.performance.fp8_base_matmuls keeps whole float8 copies of the frozen weights "
                 "on every rank, which defeats --trainer.strategy=fsdp2: use ddp, or drop it"
             ]
         device = strategy.root_device
         if device.type == "cuda" and torch.torch_version.TorchVersion(torch.__version__) < (2, 5):
             return [
-                f"--model.performance.fp8_base_matmuls needs torch 2.5 or newer (a scale per row in "
+                f"--model.init_args.performance.fp8_base_matmuls needs torch 2.5 or newer (a scale per row in "
                 f"torch._scaled_mm); this is {torch.__version__}: upgrade torch or set it to false"
             ]
         if device.type == "cuda" and not fp8_supported(device):
             return [
-                f"--model.performance.fp8_base_matmuls needs float8 tensor cores (compute capability 8.9+: "
+                f"--model.init_args.performance.fp8_base_matmuls needs float8 tensor cores (compute capability 8.9+: "
                 f"Ada, Hopper or newer); {torch.cuda.get_device_name(device)} has none: set it to false"
             ]
     if not isinstance(strategy, FSDP2Strategy):
         return []
     if getattr(performance, "rollout_merged_lora", False):
         return [
-            "--model.performance.rollout_merged_lora merges the adapter into the base weights' storage, "
+            "--model.init_args.performance.rollout_merged_lora merges the adapter into the base weights' storage, "
             "which FSDP2 does not read back (it gathers from its own shards): drop it under "
             "--trainer.strategy=fsdp2"
         ]

@@ -1,39 +1,40 @@
-"""The update stage: its settings, the walk over one rollout batch, and the loss of one micro-batch.
+"""The update stage: its settings and the whole loop over one rollout batch.
 
 One rollout batch is walked ``num_inner_epochs`` times; each walk cuts the kept samples into
-micro-batches and visits every (micro-batch, trained step) pair, with an optimizer step after each of
-``optimizer_steps_per_rollout`` contiguous chunks of those pairs (Flow-GRPO's gradient accumulation).
-The module runs the loop (it owns the backward, the optimizer and the logging); this file owns what
-the loop visits and what one visit computes.
+micro-batches and makes the objective's visits to each (today: every trained step), with an optimizer
+step after each of ``optimizer_steps_per_rollout`` contiguous chunks of those (micro-batch, visit)
+pairs (Flow-GRPO's gradient accumulation). The objective computes what one visit costs
+(:meth:`~lit_flowgrpo.objective.Objective.visit`); the module hands the loop its backward, its
+optimizer step and its logging (:class:`UpdateHooks`), so Lightning's precision and DDP hooks stay
+in the path.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from torchmetrics import Metric
 
-from lit_flowgrpo.algorithms import PolicyStats
-from lit_flowgrpo.lora import TrainableWeights
-from lit_flowgrpo.objective import Objective, ScoredStep
-from lit_flowgrpo.policies.base import Embeds, FlowPolicy, index_embeds
-from lit_flowgrpo.rollout import Trajectory
+from lit_flowgrpo.distributed import DataParallel, balanced_counts, load_balance
+from lit_flowgrpo.errors import flag
+from lit_flowgrpo.objective import Objective, VisitContext
+from lit_flowgrpo.rollout import RolloutBatch
 
 __all__ = [
     "IdleRollouts",
-    "MicroStep",
+    "UpdateHooks",
+    "UpdateResult",
     "UpdateSettings",
-    "balance_moves",
     "clip_and_step",
-    "load_balance",
-    "micro_step",
-    "receive_rows",
-    "send_rows",
+    "run_update",
 ]
 
 
@@ -68,15 +69,22 @@ class UpdateSettings:
     on_policy_tol: float | None = None
     balance_load: bool = False
 
-    def problems(self, flag: str = "--model.update") -> list[str]:
+    def problems(self, flag_path: str = "") -> list[str]:
+        flag_path = flag_path or flag("update")
         p = [
-            f"{flag}.{name} ({getattr(self, name)}) must be at least 1"
+            f"{flag_path}.{name} ({getattr(self, name)}) must be at least 1"
             for name in ("num_inner_epochs", "micro_batch_size", "optimizer_steps_per_rollout")
             if getattr(self, name) < 1
         ]
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            p.append(f"{flag}.max_grad_norm ({self.max_grad_norm}) must be > 0, or null for no clipping")
+            p.append(f"{flag_path}.max_grad_norm ({self.max_grad_norm}) must be > 0, or null for no clipping")
         return p
+
+    def on_policy_tolerance(self, fp32: bool) -> float:
+        """``on_policy_tol`` resolved: 1e-6 when the transformer holds and computes fp32, else 1e-3."""
+        if self.on_policy_tol is not None:
+            return self.on_policy_tol
+        return 1e-6 if fp32 else 1e-3
 
     def chunks(self, num_micro: int, num_trained: int) -> list[list[tuple[int, int]]]:
         """The (micro-batch, trained step) pairs of one inner epoch, in ``optimizer_steps_per_rollout``
@@ -103,66 +111,145 @@ class UpdateSettings:
 
 
 @dataclass
-class MicroStep:
-    """What one (micro-batch, trained step) visit computed."""
+class UpdateHooks:
+    """What the update loop asks of its host (the module)."""
 
-    loss: Tensor
-    """Scalar: policy loss + β·KL (padding rows excluded)."""
-    pg_loss: Tensor
-    kl: Tensor
-    stats: PolicyStats | None
-    """Per-sample statistics of the live rows (``None`` when every row was padding)."""
-    new_log_prob: Tensor
-    """(live,) log p_θ of the live rows, detached."""
+    backward: Callable[[Tensor], None]
+    """Backward of a loss (``LightningModule.manual_backward``: precision and DDP hooks)."""
+    optimizer_step: Callable[[], bool]
+    """Clip, step and zero the gradients; ``True`` if the weights changed."""
+    log: Callable[[dict[str, float]], None]
+    """Log per-step values."""
+    clock: Callable[[], float]
+    """Seconds (after a device synchronize), for the reference forward's stage time."""
 
 
-def micro_step(
-    policy: FlowPolicy,
+@dataclass
+class UpdateResult:
+    """What one update did on this rank."""
+
+    batch: RolloutBatch
+    """The batch this rank trained (after load balancing: its kept samples first)."""
+    trained: Tensor
+    """(K,) the sample ids this rank trained."""
+    kept_per_rank: list[int]
+    """Kept samples per rank, as the update trained them (after load balancing)."""
+    forwards: dict[str, int] = field(default_factory=lambda: {"update": 0, "ref": 0})
+    """Single-sample transformer forwards of the θ passes and of the reference."""
+    reference_s: float = 0.0
+    """Seconds in the reference forwards."""
+    optimizer_steps: int = 0
+    """Optimizer steps that changed the weights."""
+    loss_sums: Tensor | None = None
+    """(4,) on the device: Σ loss, Σ pg_loss, Σ kl, non-finite losses over the visits."""
+    num_losses: int = 0
+
+
+def run_update(
+    settings: UpdateSettings,
     objective: Objective,
-    weights: TrainableWeights,
-    traj: Trajectory,
-    embeds: Embeds,
-    advantages: Tensor,
-    idx: Tensor,
-    live: int,
-    j: int,
-    guidance: float,
-    reference_timer: Callable[[], Any],
-) -> MicroStep:
-    """Re-score trained step ``j`` of samples ``idx`` under the current policy (and the reference,
-    when the objective has a KL term) and return the loss of the first ``live`` rows.
+    ctx: VisitContext,
+    batch: RolloutBatch,
+    hooks: UpdateHooks,
+    diagnostics: Metric,
+    *,
+    dp: DataParallel,
+    generator: torch.Generator,
+    on_policy_tol: float,
+    forwards_per_sample: int,
+) -> UpdateResult:
+    """Walk ``batch``: epochs × chunks × (micro-batch, visit), an optimizer step after each chunk.
 
-    ``reference_timer`` is a context-manager factory wrapped around the reference forward (the module
-    times it as the ``ref`` stage).
+    Args:
+        settings: how to walk it.
+        objective: what each visit computes, and which visits it makes.
+        ctx: the networks and the CFG scale of the visits (its ``reference_timer`` is replaced by
+            one that adds to :attr:`UpdateResult.reference_s`).
+        batch: this rank's rollout batch.
+        hooks: the host's backward, optimizer step, logging and clock.
+        diagnostics: the objective's metric, updated in place.
+        dp: the data-parallel peers (every peer runs the same number of backward passes).
+        generator: the CPU generator of the epochs' shuffles.
+        on_policy_tol: tolerance of the on-policy check (:meth:`UpdateSettings.on_policy_tolerance`).
+        forwards_per_sample: transformer forwards per sample and visit (2 under batched CFG).
     """
-    x, cond = traj.latents[idx, j], index_embeds(embeds, idx)
-    sigma = torch.full((len(idx),), float(traj.sigmas[j]), device=x.device)
-    ref_mean = None
-    if objective.uses_reference:
-        # Before the θ forward: a full fine-tune's reference swaps in weights the θ graph would save.
-        with reference_timer(), torch.no_grad(), weights.reference(policy):
-            ref_mean = traj.score(policy.velocity(x, sigma, cond, guidance), j, idx).prev_sample_mean
-    step = traj.score(policy.velocity(x, sigma, cond, guidance), j, idx)
-    zero = torch.zeros((), device=x.device)
-    if not live:
-        # Padding only keeps every rank's backward count equal; touching the graph lets DDP see
-        # every parameter.
-        pg_loss = step.log_prob.sum() * 0.0
-        return MicroStep(pg_loss, pg_loss, zero, None, step.log_prob.detach()[:0])
-    rows = idx[:live]
-    scored = ScoredStep(
-        log_prob=step.log_prob[:live],
-        old_log_prob=traj.log_probs[rows, j],
-        advantages=advantages[rows],
-        prev_sample_mean=step.prev_sample_mean[:live],
-        old_prev_sample_mean=None if traj.prev_sample_means is None else traj.prev_sample_means[rows, j],
-        std_dev_t=traj.std_dev_t[rows, j],
-        sqrt_dt=traj.sqrt_dt[rows, j],
+    device = batch.advantages.device
+    n_visits = len(objective.visits(batch))
+    kept = batch.keep.nonzero().flatten()  # one host read per rollout; none inside the loops below
+    # Every rank runs the same number of backward passes (DDP all-reduces inside each), so the
+    # micro-batch count is the largest over ranks; a rank with fewer kept samples pads with
+    # zero-weight ones.
+    kept_per_rank = dp.gather(torch.tensor([float(len(kept))], device=device)).tolist()
+    hooks.log(load_balance([n * n_visits for n in kept_per_rank]))
+    if settings.balance_load and dp.size > 1:
+        batch, kept, kept_per_rank = _balance(
+            batch, kept, [int(n) for n in kept_per_rank], n_visits, dp, hooks
+        )
+    result = UpdateResult(
+        batch=batch, trained=batch.sample_ids[kept], kept_per_rank=[int(n) for n in kept_per_rank]
     )
-    pg_loss, stats = objective.policy_loss(scored)
-    kl = objective.kl(scored, ref_mean[:live]).mean() if ref_mean is not None else zero
-    loss = pg_loss + objective.kl_coef * kl
-    return MicroStep(loss, pg_loss, kl, stats, step.log_prob.detach()[:live])
+    result.loss_sums = torch.zeros(4, device=device)
+    n_micro = math.ceil(max(kept_per_rank) / settings.micro_batch_size)
+    if not (n_micro and n_visits):
+        return result
+
+    @contextmanager
+    def reference_timer() -> Iterator[None]:
+        start = hooks.clock()
+        yield
+        result.reference_s += hooks.clock() - start
+
+    ctx = dataclasses.replace(ctx, reference_timer=reference_timer)
+    visits = list(objective.visits(batch))
+    first = True
+    for _ in range(settings.num_inner_epochs):
+        order = kept[torch.randperm(len(kept), generator=generator).to(kept.device)]
+        for chunk in settings.chunks(n_micro, n_visits):
+            for m, v in chunk:
+                idx, live = settings.micro_batch(order, m, len(batch))
+                out = objective.visit(ctx, batch, idx, live, visits[v])
+                result.forwards["update"] += forwards_per_sample * len(idx)
+                result.forwards["ref"] += forwards_per_sample * len(idx) if objective.uses_reference else 0
+                if first:
+                    _on_policy_check(out.on_policy_error, on_policy_tol, dp, hooks)
+                    first = False
+                # Accumulated on the device: no host read per (micro-batch, visit).
+                result.loss_sums += torch.stack(
+                    [out.loss.detach(), out.pg_loss.detach(), out.kl.detach(), (~out.loss.isfinite()).float()]
+                )
+                result.num_losses += 1
+                hooks.backward(out.loss / len(chunk))
+                if out.diagnostics is not None:
+                    diagnostics.update(**out.diagnostics)
+            result.optimizer_steps += int(hooks.optimizer_step())
+    return result
+
+
+def _balance(
+    batch: RolloutBatch, kept: Tensor, counts: list[int], n_visits: int, dp: DataParallel, hooks: UpdateHooks
+) -> tuple[RolloutBatch, Tensor, list[int]]:
+    """``balance_load``: move kept samples between ranks so each trains ⌊K/R⌋ or ⌈K/R⌉."""
+    after = balanced_counts(counts)
+    hooks.log(
+        {
+            "global_load/balanced_min": float(min(after) * n_visits),
+            "global_load/balanced_max": float(max(after) * n_visits),
+        }
+    )
+    if after == counts:
+        return batch, kept, counts
+    rows, n_kept = dp.balance(batch.rows(), kept, counts)
+    rows["keep"] = torch.arange(len(rows["keep"]), device=kept.device) < n_kept
+    return batch.with_rows(rows), torch.arange(n_kept, device=kept.device), after
+
+
+def _on_policy_check(err: Tensor, tol: float, dp: DataParallel, hooks: UpdateHooks) -> None:
+    value = float(dp.mean(err))
+    hooks.log({"actor/on_policy_ratio_err": value})
+    if value > tol:
+        rank_zero_warn(
+            f"on-policy check: mean |ratio − 1| = {value:.3g} before any update (tolerance {tol:g}). {ON_POLICY_CAUSES}"
+        )
 
 
 def clip_and_step(params: list[Tensor], optimizer: Any, scheduler: Any, max_norm: float | None) -> float:
@@ -200,7 +287,7 @@ class IdleRollouts:
         if self.count >= self.limit:
             raise RuntimeError(
                 f"{self.count} rollouts in a row made no optimizer step ({why}). Stopping: such a run never "
-                f"reaches max_steps (--model.advantage.max_idle_rollouts={self.limit})"
+                f"reaches max_steps ({flag('advantage')}.max_idle_rollouts={self.limit})"
             )
         rank_zero_warn(f"this rollout made no optimizer step ({why})")
 
@@ -208,85 +295,7 @@ class IdleRollouts:
 #: What usually moves the first ratio away from 1 (the on-policy check's warning).
 ON_POLICY_CAUSES = (
     "The update recomputes the rollout's log-probs with different numerics: usual causes are a different "
-    "batch size under bf16/TF32 (--model.sampler.batch_size vs --model.update.micro_batch_size), dropout "
+    f"batch size under bf16/TF32 ({flag('sampler')}.batch_size vs {flag('update')}.micro_batch_size), dropout "
     "or other train-mode layers, CFG in the rollout but not in the update (train_cfg=false), or "
     "non-deterministic kernels. Clipping treats this error as policy change."
 )
-
-
-def load_balance(loads: list[float]) -> dict[str, float]:
-    """``global_load/*``: the update's work per rank, (sample, trained step) pairs after filtering,
-    the diffusion analogue of veRL's ``global_seqlen/*``."""
-    low, high = min(loads), max(loads)
-    values = {"min": low, "max": high, "mean": sum(loads) / len(loads), "minmax_diff": high - low}
-    return {f"global_load/{k}": v for k, v in values.items()}
-
-
-def balance_moves(counts: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(source, destination, n)`` moves that leave every rank with ⌊K/R⌋ or ⌈K/R⌉ of the K
-    samples ``counts`` holds. The ranks holding most keep the ⌈K/R⌉ places, so as few samples move
-    as possible; the moves are a pure function of ``counts``, the same on every rank."""
-    ranks, total = len(counts), sum(counts)
-    base, extra = divmod(total, ranks)
-    target = [base] * ranks
-    for r in sorted(range(ranks), key=lambda r: (-counts[r], r))[:extra]:
-        target[r] += 1
-    give = [[r, counts[r] - target[r]] for r in range(ranks) if counts[r] > target[r]]
-    take = [[r, target[r] - counts[r]] for r in range(ranks) if counts[r] < target[r]]
-    moves, i, j = [], 0, 0
-    while i < len(give) and j < len(take):
-        n = min(give[i][1], take[j][1])
-        moves.append((give[i][0], take[j][0], n))
-        give[i][1] -= n
-        take[j][1] -= n
-        i += give[i][1] == 0
-        j += take[j][1] == 0
-    return moves
-
-
-def send_rows(
-    rows: dict[str, Tensor], kept: Tensor, moves: list[tuple[int, int, int]], rank: int
-) -> dict[str, Tensor]:
-    """This rank's outgoing block of every per-sample tensor: its last kept samples that ``moves``
-    sends away, padded to the largest block any rank sends (an all-gather needs equal shapes)."""
-    width = max((sum(n for s, _, n in moves if s == r) for r in {s for s, _, _ in moves}), default=0)
-    mine = sum(n for s, _, n in moves if s == rank)
-    sent = kept[len(kept) - mine :]
-    out = {}
-    for name, t in rows.items():
-        block = t.new_zeros((width, *t.shape[1:]))
-        block[:mine] = t[sent]
-        out[name] = block
-    return out
-
-
-def receive_rows(
-    rows: dict[str, Tensor],
-    kept: Tensor,
-    moves: list[tuple[int, int, int]],
-    rank: int,
-    gathered: dict[str, Tensor],
-) -> tuple[dict[str, Tensor], int]:
-    """Every per-sample tensor after the moves, and how many leading rows are now this rank's kept
-    samples: the kept ones it did not send, then those it received (in source-rank order).
-
-    ``gathered[name]`` is (R, width, ...): every rank's :func:`send_rows` block. The rows that follow
-    the kept ones (this rank's dropped and sent samples) are only material for the update's padding
-    rows, whose loss is never counted; they keep every row count at least this rank's batch size.
-    """
-    mine = sum(n for s, _, n in moves if s == rank)
-    stay = kept[: len(kept) - mine]
-    rest = torch.ones(len(next(iter(rows.values()))), dtype=torch.bool, device=kept.device)
-    rest[stay] = False
-    offset: dict[int, int] = {}
-    pieces: list[tuple[int, int, int]] = []  # (source, start, n) of the blocks addressed here
-    for source, dest, n in moves:
-        start = offset.get(source, 0)
-        if dest == rank:
-            pieces.append((source, start, n))
-        offset[source] = start + n
-    out = {
-        name: torch.cat([t[stay], *(gathered[name][s, a : a + n] for s, a, n in pieces), t[rest]])
-        for name, t in rows.items()
-    }
-    return out, len(stay) + sum(n for _, _, n in pieces)

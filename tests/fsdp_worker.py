@@ -47,16 +47,17 @@ class RecordingModule(FlowGRPOModule):
         super().__init__(**kwargs)
         self.out = out
 
-    def _advantages(self, rewards, batch):
-        advantages, keep = super()._advantages(rewards, batch)
+    def on_train_batch_end(self, outputs, batch, batch_idx):
         rows = [
             [int(s), float(r), float(a)]
             for s, r, a in zip(
-                batch.sample_ids.tolist(), rewards.total.tolist(), advantages.tolist(), strict=True
+                outputs["sample_ids"].tolist(),
+                outputs["rewards"].tolist(),
+                outputs["advantages"].tolist(),
+                strict=True,
             )
         ]
         (Path(self.out) / f"adv_rank{self.global_rank}_step{batch.step}.json").write_text(json.dumps(rows))
-        return advantages, keep
 
 
 class MemoryLogger(Logger):

@@ -74,7 +74,10 @@ def _closed_port() -> int:
     ("flags", "expected"),
     [
         # FlowGRPOModule.setup: the micro-batch against the per-rank batch
-        (["--model.update.micro_batch_size=3"], r"--model\.update\.micro_batch_size \(3\) must divide"),
+        (
+            ["--model.init_args.update.micro_batch_size=3"],
+            r"--model\.init_args\.update\.micro_batch_size \(3\) must divide",
+        ),
         # FlowGRPOModule.setup: the prompts against the reward's metadata
         (["--model.reward.init_args.weights={geneval: 1.0}"], r"reward 'geneval' needs metadata field 'tag'"),
         # FSDP2Strategy.setup_environment
@@ -100,7 +103,7 @@ def test_unreachable_remote_reward_is_one_message(run) -> None:
         "--model.reward.init_args.weights={vlm_judge: 1.0}",
         f"--model.reward.init_args.config={{vlm_judge: {{base_url: '{url}'}}}}",
     )
-    assert "--model.reward.config.vlm_judge.base_url" in err and "unreachable" in err
+    assert "--model.init_args.reward.init_args.config.vlm_judge.base_url" in err and "unreachable" in err
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch, run) -> None:
@@ -188,8 +191,12 @@ def test_unsupported_strategies_point_to_fsdp2_before_lightning_speaks(run, stra
     ("flags", "expected"),
     [
         (
-            ["--model.performance.fp8_base_matmuls=true", "--model.lora=null", "--model.reference_copy=true"],
-            r"--model\.performance\.fp8_base_matmuls with a full fine-tune \(--model\.lora=null\)",
+            [
+                "--model.init_args.performance.fp8_base_matmuls=true",
+                "--model.init_args.lora=null",
+                "--model.init_args.reference_copy=true",
+            ],
+            r"--model\.init_args\.performance\.fp8_base_matmuls with a full fine-tune \(--model\.init_args\.lora=null\)",
         ),
         (
             [
@@ -197,7 +204,7 @@ def test_unsupported_strategies_point_to_fsdp2_before_lightning_speaks(run, stra
                 "--model.lora=null",
                 "--model.reference_copy=true",
             ],
-            r"--model\.performance\.rollout_merged_lora with a full fine-tune",
+            r"--model\.init_args\.performance\.rollout_merged_lora with a full fine-tune",
         ),
         (["--data.max_val_prompts=0"], r"--data\.max_val_prompts \(0\) must be at least 1"),
         (["--data.max_val_prompts=-1"], r"--data\.max_val_prompts \(-1\) must be at least 1"),
@@ -303,7 +310,8 @@ def test_repeated_prompt_lines_warn(tmp_path: Path) -> None:
 @pytest.mark.parametrize("weight", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_reward_weight_is_refused_at_construction(weight: float) -> None:
     with pytest.raises(
-        SettingsError, match=r"--model\.reward\.weights gives 'jpeg_compressibility' the weight"
+        SettingsError,
+        match=r"--model\.init_args\.reward\.init_args\.weights gives 'jpeg_compressibility' the weight",
     ):
         MultiReward({"jpeg_compressibility": weight})
 
@@ -314,4 +322,4 @@ def test_nan_reward_weight_in_yaml(run, tmp_path: Path) -> None:
         "model:\n  init_args:\n    reward:\n      init_args:\n        weights: {jpeg_compressibility: .nan}\n"
     )
     err = run("--config", str(override))
-    assert "--model.reward.weights gives 'jpeg_compressibility' the weight nan" in err
+    assert "--model.init_args.reward.init_args.weights gives 'jpeg_compressibility' the weight nan" in err

@@ -8,7 +8,8 @@ import itertools
 import pytest
 import torch
 
-from lit_flowgrpo.update import UpdateSettings, balance_moves, receive_rows, send_rows
+from lit_flowgrpo.distributed import balance_moves, receive_rows, send_rows
+from lit_flowgrpo.update import UpdateSettings
 
 
 @pytest.mark.parametrize(

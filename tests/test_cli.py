@@ -392,5 +392,5 @@ def test_clip_range_from_yaml_reaches_its_one_owner(tiny_sd3_path: str, tmp_path
         _fit_args(tiny_sd3_path, tmp_path / "run", "--model.init_args.objective.init_args.clip_range=0"),
         capfd,
     )
-    assert "--model.objective.init_args.clip_range (0.0) must lie in (0, 1)" in text
+    assert "--model.init_args.objective.init_args.clip_range (0.0) must lie in (0, 1)" in text
     assert text.count("clip_range (0.0)") == 1

@@ -35,17 +35,18 @@ class RecordingModule(FlowGRPOModule):
         super().__init__(**kwargs)
         self.out = out
 
-    def _advantages(self, rewards, batch):
-        advantages, keep = super()._advantages(rewards, batch)
+    def on_train_batch_end(self, outputs, batch, batch_idx):
         rows = [
             [int(s), float(r), float(a)]
             for s, r, a in zip(
-                batch.sample_ids.tolist(), rewards.total.tolist(), advantages.tolist(), strict=True
+                outputs["sample_ids"].tolist(),
+                outputs["rewards"].tolist(),
+                outputs["advantages"].tolist(),
+                strict=True,
             )
         ]
         path = Path(self.out) / f"adv_rank{self.global_rank}_step{batch.step}.json"
         path.write_text(json.dumps(rows))
-        return advantages, keep
 
     def on_train_end(self) -> None:
         if self.global_rank == 0:
@@ -134,7 +135,8 @@ def half_saturated(images, prompts, metadata):
 
 
 class BalanceRecorder(FlowGRPOModule):
-    """Writes, per rank and step, the sample ids it kept, the ids it trained and the loads."""
+    """Writes, per rank and step (from the step's output), the sample ids it kept, the ids it trained
+    and every rank's load after balancing."""
 
     def __init__(self, out: str, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -145,19 +147,12 @@ class BalanceRecorder(FlowGRPOModule):
         path = Path(self.out) / f"{name}_rank{self.global_rank}_step{self._step}.json"
         path.write_text(json.dumps(value))
 
-    def _advantages(self, rewards, batch):
-        advantages, keep = super()._advantages(rewards, batch)
+    def on_train_batch_end(self, outputs, batch, batch_idx):
         self._step = batch.step
-        self._write(
-            "kept", [int(s) for s, k in zip(batch.sample_ids.tolist(), keep.tolist(), strict=True) if k]
-        )
-        return advantages, keep
-
-    def _balance(self, traj, embeds, advantages, sample_ids, kept, counts):
-        out = super()._balance(traj, embeds, advantages, sample_ids, kept, counts)
-        self._write("loads", [counts, out[-1]])
-        self._write("trained", sorted(int(i) for i in out[3][out[4]].tolist()))
-        return out
+        ids, keep = outputs["sample_ids"].tolist(), outputs["keep"].tolist()
+        self._write("kept", [int(s) for s, k in zip(ids, keep, strict=True) if k])
+        self._write("loads", outputs["kept_per_rank"])
+        self._write("trained", sorted(int(i) for i in outputs["trained_sample_ids"].tolist()))
 
 
 def run_balanced(path: str, prompts: str, out: Path) -> None:
@@ -186,8 +181,9 @@ def test_balance_load_trains_every_kept_sample_once_with_even_loads(tiny_sd3_pat
 
     uneven = 0
     for step in (0, 1):
-        before, after = read("loads", 0, step)
-        assert read("loads", 1, step) == [before, after]  # every rank computed the same plan
+        before = [len(read("kept", r, step)) for r in (0, 1)]
+        after = read("loads", 0, step)
+        assert read("loads", 1, step) == after  # every rank computed the same plan
         assert max(after) - min(after) <= 1 and sum(after) == sum(before)
         uneven += max(before) - min(before) > 1
         kept = sorted(read("kept", 0, step) + read("kept", 1, step))

@@ -155,7 +155,9 @@ def test_lora_policy_runs_its_base_in_float8(tiny_sd3_path):
 
 
 def test_a_full_fine_tune_has_no_frozen_linear_to_convert(tiny_sd3_path):
-    with pytest.raises(ValueError, match=r"--model\.performance\.fp8_base_matmuls.*--model\.lora"):
+    with pytest.raises(
+        ValueError, match=r"--model\.init_args\.performance\.fp8_base_matmuls.*--model\.init_args\.lora"
+    ):
         _policy(tiny_sd3_path, None, PerformanceSettings(fp8_base_matmuls=True))
 
 

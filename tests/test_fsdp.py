@@ -369,6 +369,6 @@ def test_fp8_base_is_refused_under_fsdp2_before_any_weight_loads(tiny_sd3_path, 
         performance=PerformanceSettings(fp8_base_matmuls=True),
     )
     data = PromptDataModule(train=prompt_file, prompts_per_step=2, group_size=4)
-    with pytest.raises(ValueError, match=r"--model\.performance\.fp8_base_matmuls .*use ddp"):
+    with pytest.raises(ValueError, match=r"--model\.init_args\.performance\.fp8_base_matmuls .*use ddp"):
         _setup_under(module, FSDP2Strategy(), data)
     assert module.policy.pipe is None

@@ -150,3 +150,52 @@ def test_no_import_cycles() -> None:
     assert "lit_flowgrpo.policies.flux" not in graph["lit_flowgrpo.policies.qwenimage"]
     cycle = _find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+#: The stages FlowGRPOModule orchestrates, and what they stand on: none may import the module above them.
+STAGES = (
+    "advantages",
+    "algorithms",
+    "data",
+    "distributed",
+    "errors",
+    "export",
+    "lora",
+    "metrics",
+    "objective",
+    "performance",
+    "rollout",
+    "sde",
+    "step_output",
+    "strategies",
+    "update",
+    "policies",
+    "rewards",
+)
+
+
+def _every_import(path: Path) -> set[str]:
+    """Every module ``path`` names in an import, at load time or inside a function; ``from pkg import
+    name`` counts as ``pkg.name`` too (``from lit_flowgrpo import FlowGRPOModule``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_no_stage_imports_the_module() -> None:
+    from lit_flowgrpo import _EXPORTS
+
+    above = {"lit_flowgrpo.module", "lit_flowgrpo.cli", "lit_flowgrpo.FlowGRPOModule"}
+    above |= {f"lit_flowgrpo.{name}" for name, where in _EXPORTS.items() if where == "lit_flowgrpo.module"}
+    checked = 0
+    for stage in STAGES:
+        target = PACKAGE / stage
+        for path in sorted(target.rglob("*.py")) if target.is_dir() else [target.with_suffix(".py")]:
+            bad = _every_import(path) & above
+            assert not bad, f"{_module_name(path)} imports {sorted(bad)}, which stand above it"
+            checked += 1
+    assert checked > len(STAGES)  # the packages' files were found too

@@ -283,7 +283,7 @@ def test_bad_image_size_fails_before_loading(tiny_sd3_path):
 
 
 def test_all_zero_reward_weights_are_refused(tiny_sd3_path):
-    with pytest.raises(ValueError, match=r"--model.reward.weights are all 0"):
+    with pytest.raises(ValueError, match=r"--model\.init_args\.reward\.init_args\.weights are all 0"):
         make_module(tiny_sd3_path, reward={"jpeg_compressibility": 0.0})
 
 
@@ -380,7 +380,7 @@ def test_micro_batch_must_divide(tiny_sd3_path, prompt_file, tmp_path):
     module = make_module(tiny_sd3_path, micro_batch_size=3)
     trainer = make_trainer(tmp_path, max_steps=1)
     with pytest.raises(
-        ValueError, match=r"--model.update.micro_batch_size \(3\) must divide the per-rank batch"
+        ValueError, match=r"--model\.init_args\.update\.micro_batch_size \(3\) must divide the per-rank batch"
     ):
         trainer.fit(module, datamodule=make_data(prompt_file))
     assert module.policy.pipe is None  # failed before loading
@@ -388,7 +388,8 @@ def test_micro_batch_must_divide(tiny_sd3_path, prompt_file, tmp_path):
 
 def test_unknown_reward_name(tiny_sd3_path):
     with pytest.raises(
-        ValueError, match=r"--model.reward.weights names unregistered rewards \['no_such_reward'\]"
+        ValueError,
+        match=r"--model\.init_args\.reward\.init_args\.weights names unregistered rewards \['no_such_reward'\]",
     ):
         make_module(tiny_sd3_path, reward={"no_such_reward": 1.0})
 
@@ -410,7 +411,12 @@ def test_missing_model_path(tmp_path):
 
 
 def test_grpo_guard_needs_sde(tiny_sd3_path):
-    with pytest.raises(ValueError, match=r"GRPOGuard needs --model\.sampler\.sde_type in \['sde'\]"):
+    # Refused before any weight loads, naming both flags in the spelling the CLI accepts.
+    with pytest.raises(
+        ValueError,
+        match=r"--model\.init_args\.objective=lit_flowgrpo\.objective\.GRPOGuard needs "
+        r"--model\.init_args\.sampler\.sde_type in \['sde'\] \(got 'cps'\)",
+    ):
         make_module(tiny_sd3_path, objective_class=GRPOGuard, sde_type="cps")
 
 

@@ -55,8 +55,8 @@ def test_problems_name_the_flag(tiny_sd3_path):
     problems = bad.problems()
     assert len(problems) == 3
     for name in ("compute_dtype", "attention_backend", "compile_backend"):
-        assert any(p.startswith(f"--model.performance.{name}") for p in problems), problems
-    with pytest.raises(ValueError, match=r"--model\.performance\.compute_dtype"):
+        assert any(p.startswith(f"--model.init_args.performance.{name}") for p in problems), problems
+    with pytest.raises(ValueError, match=r"--model\.init_args\.performance\.compute_dtype"):
         FlowGRPOModule(
             policy=SD3Policy(tiny_sd3_path),
             reward=lambda images, prompts, metadata: images.mean(dim=(1, 2, 3)),
@@ -161,7 +161,9 @@ def test_merged_sampling_needs_an_adapter(tiny_sd3_path):
     policy = SD3Policy(tiny_sd3_path, dtype="float32", max_sequence_length=16)
     policy.load()
     TrainableWeights(None).attach(policy)
-    with pytest.raises(ValueError, match=r"--model\.performance\.rollout_merged_lora needs a LoRA"):
+    with pytest.raises(
+        ValueError, match=r"--model\.init_args\.performance\.rollout_merged_lora needs a LoRA"
+    ):
         PerformanceSettings(rollout_merged_lora=True).apply(policy.transformer)
 
 
@@ -202,6 +204,9 @@ def test_compiled_decoder_decodes_what_the_eager_decoder_decodes(tiny_sd3_path):
 
 def test_compile_decoder_needs_compiled_blocks_and_a_decoder():
     (problem,) = PerformanceSettings(compile_decoder=True).problems()
-    assert problem.startswith("--model.performance.compile_decoder") and "compile_blocks=true" in problem
-    with pytest.raises(ValueError, match=r"--model\.performance\.compile_decoder.*no `decoder`"):
+    assert (
+        problem.startswith("--model.init_args.performance.compile_decoder")
+        and "compile_blocks=true" in problem
+    )
+    with pytest.raises(ValueError, match=r"--model\.init_args\.performance\.compile_decoder.*no `decoder`"):
         PerformanceSettings(compile_blocks=True, compile_decoder=True).apply_to_decoder(torch.nn.Linear(2, 2))

@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from lit_flowgrpo.callbacks._lightning import rollout_step
 from lit_flowgrpo.callbacks._module import as_mapping, image_size
+from lit_flowgrpo.distributed import DataParallel
 from lit_flowgrpo.policies.base import FlowPolicy
 from lit_flowgrpo.step_output import INFERENCE_STAGES, StepOutput
 from lit_flowgrpo.strategies import reshard
@@ -135,7 +136,7 @@ class RLThroughputMonitor(Callback):
         num_images = _num_images(out)
 
         metrics = _stage_metrics(timings, num_images)
-        metrics |= self._throughput(pl_module, timings["step"], num_images)
+        metrics |= self._throughput(trainer, pl_module, timings["step"], num_images)
         metrics |= self._mfu(timings, as_mapping(out.get("transformer_forwards")))
         metrics |= self._memory(trainer)
         self._log(trainer, metrics)
@@ -174,7 +175,7 @@ class RLThroughputMonitor(Callback):
         self._flops_resolution = resolution
 
     def _throughput(
-        self, pl_module: LightningModule, step_s: float, num_images: int | None
+        self, trainer: Trainer, pl_module: LightningModule, step_s: float, num_images: int | None
     ) -> dict[str, float]:
         # rank balance: one gather of (step seconds, images) per rank; -1 marks "not reported"
         local = torch.tensor(
@@ -182,7 +183,7 @@ class RLThroughputMonitor(Callback):
             dtype=torch.float64,
             device=pl_module.device,
         )
-        gathered = pl_module.all_gather(local).reshape(-1, 2).cpu()  # (N, 2) fp64
+        gathered = DataParallel.of(trainer).stack(local).reshape(-1, 2).cpu()  # (N, 2) fp64
         world_size = gathered.shape[0]
         step_times, images = gathered[:, 0], gathered[:, 1]
         t_step = float(step_times.max())
@@ -405,7 +406,7 @@ def measure_transformer_flops(policy: FlowPolicy, height: int, width: int) -> tu
     transformer = policy.transformer
     policy.encode_prompts([""])
     forward = policy.flops_forward(height, width)
-    # Compiled blocks (--model.performance.compile_blocks) must run eagerly here: a first call of a
+    # Compiled blocks (--model.init_args.performance.compile_blocks) must run eagerly here: a first call of a
     # compiled module under FlopCounterMode leaves it uncompiled for the rest of the run.
     set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
     with set_stance("force_eager") if set_stance is not None else contextlib.nullcontext():

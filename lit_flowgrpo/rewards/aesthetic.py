@@ -19,7 +19,7 @@ from lit_flowgrpo.rewards.base import register_reward
 from lit_flowgrpo.rewards.hf import as_features, check_dtype, place
 from lit_flowgrpo.rewards.images import to_pil
 
-_FLAG = "--model.reward.config.aesthetic"
+_FLAG = "--model.init_args.reward.init_args.config.aesthetic"
 
 DEFAULT_MLP_WEIGHTS = "https://github.com/christophschuhmann/improved-aesthetic-predictor/raw/main/sac+logos+ava1-l14-linearMSE.pth"
 _HUB_FILE = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+/.+$")

@@ -49,7 +49,7 @@ _REGISTRY: dict[str, Callable[..., Reward]] = {}
 _PLUGIN_REWARDS = {
     "shapes": (
         "the toy world's reward, registered by `import lit_flowgrpo.toy` (a config does that by naming "
-        "one of its classes, e.g. --model.policy.class_path lit_flowgrpo.toy.ToyPolicy)"
+        "one of its classes, e.g. --model.init_args.policy.class_path lit_flowgrpo.toy.ToyPolicy)"
     ),
 }
 
@@ -167,14 +167,14 @@ class MultiReward:
     ) -> None:
         if not weights:
             raise SettingsError(
-                "--model.reward.weights is empty: name at least one reward, e.g. {shapes: 1.0}"
+                "--model.init_args.reward.init_args.weights is empty: name at least one reward, e.g. {shapes: 1.0}"
             )
         # A NaN weight would make every total NaN: each sample would be dropped as unscored, and the run
         # would stop only after max_idle_rollouts, blaming the reward.
         bad = {k: w for k, w in weights.items() if not isinstance(w, (int, float)) or not math.isfinite(w)}
         if bad:
             raise SettingsError(
-                f"--model.reward.weights gives {', '.join(f'{k!r} the weight {w!r}' for k, w in bad.items())}: "
+                f"--model.init_args.reward.init_args.weights gives {', '.join(f'{k!r} the weight {w!r}' for k, w in bad.items())}: "
                 "each weight must be a finite number (0 computes and logs a reward without training on it)"
             )
         self.weights = dict(weights)
@@ -184,7 +184,7 @@ class MultiReward:
         unknown = sorted({k.split("/", 1)[0] for k in self.weights} - set(built) - set(available_rewards()))
         if unknown:
             raise SettingsError(
-                f"--model.reward.weights names unregistered rewards {unknown}: {_unknown(unknown)}"
+                f"--model.init_args.reward.init_args.weights names unregistered rewards {unknown}: {_unknown(unknown)}"
             )
         for key in self.weights:
             name = key.split("/", 1)[0]
@@ -192,8 +192,8 @@ class MultiReward:
                 built[name] = build_reward(name, **config.pop(name, {}))
         if config:
             raise SettingsError(
-                f"--model.reward.config names rewards without a weight: {sorted(config)}: give each a weight "
-                "in --model.reward.weights (0 to only log it), or drop its config"
+                f"--model.init_args.reward.init_args.config names rewards without a weight: {sorted(config)}: give each a weight "
+                "in --model.init_args.reward.init_args.weights (0 to only log it), or drop its config"
             )
         self.rewards: dict[str, Reward] = built
 
@@ -214,6 +214,27 @@ class MultiReward:
             hook = getattr(reward, "problems", None)
             if callable(hook):
                 out.extend(f"reward {name!r}: {problem}" for problem in hook(records))
+        return out
+
+    def prompt_problems(self, prompts: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
+        """What the rewards find wrong with every prompt the run will draw (``{flag: records}``, e.g.
+        ``{"--data.train": [...]}``): missing metadata fields and each reward's :meth:`problems`, at
+        most 10 lines per flag. Called at setup, not when a rollout first draws a prompt."""
+        records = [r for part in prompts.values() for r in part]
+        out = []
+        for name, keys in self.required_metadata().items():
+            for key in keys:
+                missing = sum(1 for r in records if key not in r)
+                if missing:
+                    out.append(
+                        f"reward {name!r} needs metadata field {key!r}, missing in {missing} of "
+                        f"{len(records)} prompts: use a .jsonl prompt file whose records carry it"
+                    )
+        for data_flag, part in prompts.items():
+            found = self.problems(list(part))
+            out += [f"{data_flag}: {line}" for line in found[:10]]
+            if len(found) > 10:
+                out.append(f"{data_flag}: ... and {len(found) - 10} more")
         return out
 
     def required_metadata(self) -> dict[str, tuple[str, ...]]:
@@ -250,7 +271,7 @@ class MultiReward:
                 missing = [k for k in keys if k not in meta]
                 if missing:
                     raise ValueError(
-                        f"reward {name!r} (--model.reward.weights) needs metadata {list(keys)} for every prompt; "
+                        f"reward {name!r} (--model.init_args.reward.init_args.weights) needs metadata {list(keys)} for every prompt; "
                         f"sample {i} lacks {missing}: use a prompt file that carries them, or drop {name!r}"
                     )
 
@@ -313,7 +334,7 @@ class MultiReward:
                 value = components.get(f"{key}/{primary}") if primary else None
             if value is None:
                 raise ValueError(
-                    f"--model.reward.weights names {key!r}, but the reward produced {sorted(components)}: "
+                    f"--model.init_args.reward.init_args.weights names {key!r}, but the reward produced {sorted(components)}: "
                     "weight one of those"
                 )
             if weight != 0:
@@ -369,7 +390,7 @@ def as_reward(spec: MultiReward | Mapping[str, float] | Reward) -> MultiReward:
     if callable(spec):
         return CallableReward(spec)
     raise TypeError(
-        f"--model.reward ({type(spec).__name__}) must be a MultiReward, a {{name: weight}} mapping of "
+        f"--model.init_args.reward ({type(spec).__name__}) must be a MultiReward, a {{name: weight}} mapping of "
         "registered rewards, or a callable (images, prompts, metadata) -> Tensor (B,)"
     )
 

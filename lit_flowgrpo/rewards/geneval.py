@@ -48,7 +48,7 @@ from lit_flowgrpo.rewards.base import register_reward
 from lit_flowgrpo.rewards.images import ImageFormat, encode, to_base64, to_pil
 from lit_flowgrpo.rewards.remote import RemoteEndpoint, decode_json
 
-_FLAG = "--model.reward.config.geneval"
+_FLAG = "--model.init_args.reward.init_args.config.geneval"
 
 
 def _floats(values: Any, n: int, key: str) -> list[float]:
@@ -151,7 +151,7 @@ class GenEvalReward:
         )
 
     def check(self) -> None:
-        """Raise a ``ValueError`` naming ``--model.reward.config.geneval.url`` if the server is down."""
+        """Raise a ``ValueError`` naming ``--model.init_args.reward.init_args.config.geneval.url`` if the server is down."""
         self.endpoint.check(self.path)
 
     def check_metadata(self, metadata: Sequence[dict]) -> None:

@@ -37,7 +37,7 @@ from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.rewards.base import register_reward
 from lit_flowgrpo.rewards.images import to_pil
 
-_FLAG = "--model.reward.config.ocr"
+_FLAG = "--model.init_args.reward.init_args.config.ocr"
 _QUOTED = re.compile(r'"([^"]*)"|“([^”]*)”')
 
 OcrEngine = Callable[[Any], str]

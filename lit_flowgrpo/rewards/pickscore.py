@@ -14,7 +14,7 @@ from lit_flowgrpo.rewards.base import register_reward
 from lit_flowgrpo.rewards.hf import as_features, check_dtype, place
 from lit_flowgrpo.rewards.images import to_pil
 
-_FLAG = "--model.reward.config.pickscore"
+_FLAG = "--model.init_args.reward.init_args.config.pickscore"
 
 PICKSCORE_NORMALIZER = 26.0
 """flow_grpo divides the PickScore logit by 26 ("norm to 0-1", pickscore_scorer.py)."""

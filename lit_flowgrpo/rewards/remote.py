@@ -83,7 +83,7 @@ class RemoteEndpoint:
 
     Args:
         url: base URL, ``http://`` or ``https://``.
-        flag: the config path of the reward that owns this endpoint (``--model.reward.config.geneval``),
+        flag: the config path of the reward that owns this endpoint (``--model.init_args.reward.init_args.config.geneval``),
             named in every error so the user knows what to fix.
         timeout_s: limit of one attempt (connect + response), seconds.
         max_retries: further attempts after a failed one (timeouts, connection errors, 5xx/429,

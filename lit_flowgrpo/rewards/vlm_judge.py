@@ -21,7 +21,7 @@ from lit_flowgrpo.rewards.base import register_reward
 from lit_flowgrpo.rewards.images import ImageFormat, data_url, to_pil
 from lit_flowgrpo.rewards.remote import RemoteEndpoint, decode_json
 
-_FLAG = "--model.reward.config.vlm_judge"
+_FLAG = "--model.init_args.reward.init_args.config.vlm_judge"
 
 DEFAULT_TEMPLATE = (
     "You are given a text caption and an image generated from it. Judge (1) how well the image "
@@ -112,7 +112,7 @@ class VLMJudgeReward:
         )
 
     def check(self) -> None:
-        """Raise a ``ValueError`` naming ``--model.reward.config.vlm_judge.base_url`` if the server is down."""
+        """Raise a ``ValueError`` naming ``--model.init_args.reward.init_args.config.vlm_judge.base_url`` if the server is down."""
         self.endpoint.check("models")
 
     def __call__(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:

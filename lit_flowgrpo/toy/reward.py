@@ -41,13 +41,17 @@ class ShapesReward:
     ) -> None:
         problems = []
         if not 0 < brightness < 1:
-            problems.append(f"--model.reward.config.shapes.brightness ({brightness}) must be in (0, 1)")
+            problems.append(
+                f"--model.init_args.reward.init_args.config.shapes.brightness ({brightness}) must be in (0, 1)"
+            )
         if chroma_tolerance <= 0:
             problems.append(
-                f"--model.reward.config.shapes.chroma_tolerance ({chroma_tolerance}) must be positive"
+                f"--model.init_args.reward.init_args.config.shapes.chroma_tolerance ({chroma_tolerance}) must be positive"
             )
         if min_area < 1:
-            problems.append(f"--model.reward.config.shapes.min_area ({min_area}) must be at least 1 pixel")
+            problems.append(
+                f"--model.init_args.reward.init_args.config.shapes.min_area ({min_area}) must be at least 1 pixel"
+            )
         if problems:
             raise ValueError("invalid shapes reward settings:\n  " + "\n  ".join(problems))
         self.verifier = ShapeVerifier(

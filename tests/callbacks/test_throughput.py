@@ -22,6 +22,7 @@ from lit_flowgrpo.callbacks import (
     measure_transformer_flops,
     model_flops_utilization,
 )
+from lit_flowgrpo.distributed import DataParallel
 
 # --------------------------------------------------------------------------------------------------
 # Peak FLOPs and formulas
@@ -195,7 +196,7 @@ def test_throughput_monitor_rank_balance_from_gather(tmp_path: Any) -> None:
     monitor = RLThroughputMonitor(measure_flops=False)
     model = StandIn([{"num_images": 6, "timings": {"step": 2.0}}])
     other_rank = torch.tensor([3.0, 10.0], dtype=torch.float64)
-    with mock.patch.object(StandIn, "all_gather", lambda self, t: torch.stack([t, other_rank])):
+    with mock.patch.object(DataParallel, "stack", lambda self, t: torch.stack([t, other_rank])):
         trainer(tmp_path, [monitor], logger=logger, limit_train_batches=1).fit(model, loader(1))
     (_, metrics), *_ = logger.calls
     assert metrics["perf/time_per_step"] == 3.0

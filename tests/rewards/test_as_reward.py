@@ -33,7 +33,7 @@ def test_specs_become_multirewards() -> None:
     from_dict = as_reward({"jpeg_compressibility": 2.0})
     assert type(from_dict) is MultiReward and from_dict.weights == {"jpeg_compressibility": 2.0}
     assert isinstance(as_reward(brightness), CallableReward)
-    with pytest.raises(TypeError, match=r"--model\.reward \(int\) must be a MultiReward"):
+    with pytest.raises(TypeError, match=r"--model\.init_args\.reward \(int\) must be a MultiReward"):
         as_reward(3)  # type: ignore[arg-type]
 
 
@@ -128,7 +128,9 @@ def test_plugin_reward_unknown_names_the_import(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(ValueError, match=r"unknown reward 'shapes': .*" + hint):
         build_reward("shapes")
     with pytest.raises(
-        ValueError, match=r"--model\.reward\.weights names unregistered rewards \['shapes'\].*" + hint
+        ValueError,
+        match=r"--model\.init_args\.reward\.init_args\.weights names unregistered rewards \['shapes'\].*"
+        + hint,
     ):
         MultiReward({"shapes": 1.0})
     with pytest.raises(ValueError, match="unknown reward 'nope'") as err:

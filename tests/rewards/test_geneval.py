@@ -287,7 +287,9 @@ def test_through_multireward_counts_failures(server: str, images: torch.Tensor) 
 
 
 def test_bad_input(server: str, closed_port_url: str, images: torch.Tensor) -> None:
-    with pytest.raises(ValueError, match=r"--model\.reward\.config\.geneval\.url .* unreachable"):
+    with pytest.raises(
+        ValueError, match=r"--model\.init_args\.reward\.init_args\.config\.geneval\.url .* unreachable"
+    ):
         GenEvalReward(url=closed_port_url, timeout_s=1.0).check()
     GenEvalReward(url=server).check()  # a POST-only server answering 405 is reachable
     with pytest.raises(ValueError, match=r"geneval\.url .* must be an http"):
@@ -296,6 +298,8 @@ def test_bad_input(server: str, closed_port_url: str, images: torch.Tensor) -> N
     with pytest.raises(ValueError, match=r"sample 0 lacks \['include'\]"):
         _reward(server, "ok")(images, ["p"] * 4, bad_meta)
     multi = MultiReward({"geneval": 1.0}, config={"geneval": {"url": server}})
-    with pytest.raises(ValueError, match=r"'geneval' \(--model\.reward\.weights\) needs metadata"):
+    with pytest.raises(
+        ValueError, match=r"'geneval' \(--model\.init_args\.reward\.init_args\.weights\) needs metadata"
+    ):
         multi.check_metadata([{"tag": "colors"}])
     assert build_reward("geneval", url=server).required_metadata == ("tag", "include")

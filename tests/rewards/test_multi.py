@@ -65,6 +65,7 @@ def test_registry_and_unknown_name() -> None:
     assert {"pickscore", "clip_score", "aesthetic", "ocr", "geneval", "vlm_judge"} <= set(available_rewards())
     assert {"jpeg_compressibility", "jpeg_incompressibility"} <= set(available_rewards())
     with pytest.raises(
-        ValueError, match=r"--model\.reward\.weights names unregistered rewards \['pick_score'\]"
+        ValueError,
+        match=r"--model\.init_args\.reward\.init_args\.weights names unregistered rewards \['pick_score'\]",
     ):
         MultiReward({"pick_score": 1.0})

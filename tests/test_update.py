@@ -1,0 +1,170 @@
+"""lit_flowgrpo/update.py: the update loop with a stand-in objective (counts of visits, chunking,
+optimizer steps, padding rows, the on-policy check, the loss sums), no model and no Trainer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from lit_flowgrpo.distributed import DataParallel
+from lit_flowgrpo.objective import Objective, Visit, VisitContext
+from lit_flowgrpo.rollout import RolloutBatch, Trajectory
+from lit_flowgrpo.update import UpdateHooks, UpdateSettings, run_update
+
+
+def trajectory(batch: int, steps: int) -> Trajectory:
+    latent = (2, 3)
+    return Trajectory(
+        latents=torch.randn(batch, steps, *latent),
+        next_latents=torch.randn(batch, steps, *latent),
+        log_probs=torch.zeros(batch, steps),
+        prev_sample_means=None,
+        std_dev_t=torch.ones(batch, steps),
+        sqrt_dt=torch.ones(batch, steps),
+        sigmas=torch.linspace(1, 0.1, steps),
+        sigmas_next=torch.linspace(0.9, 0.0, steps),
+        step_indices=torch.arange(steps),
+        final=torch.randn(batch, *latent),
+        transformer_forwards=steps,
+        noise_level=0.7,
+        sde_type="sde",
+        sigma_max=None,
+    )
+
+
+def rollout(batch: int, steps: int, keep: list[bool] | None = None) -> RolloutBatch:
+    return RolloutBatch(
+        trajectory(batch, steps),
+        {"prompt_embeds": torch.randn(batch, 4, 8)},
+        advantages=torch.linspace(-1, 1, batch),
+        sample_ids=torch.arange(batch) + 100,
+        keep=torch.tensor(keep) if keep is not None else torch.ones(batch, dtype=torch.bool),
+    )
+
+
+@dataclass
+class Counting(Objective):
+    """Loss = w · (advantage of each live row); records every visit."""
+
+    weight: nn.Parameter = field(default_factory=lambda: nn.Parameter(torch.ones(())))
+    error: float = 0.0
+    seen: list[tuple[list[int], int, int]] = field(default_factory=list)
+    num_visits: int = 3
+
+    def visits(self, batch: RolloutBatch) -> range:
+        return range(self.num_visits)
+
+    def visit(self, ctx: VisitContext, batch: RolloutBatch, idx: Tensor, live: int, v: int) -> Visit:
+        self.seen.append((idx.tolist(), live, v))
+        rows = batch.advantages[idx[:live]]
+        loss = (self.weight * rows).sum() if live else self.weight * 0.0
+        zero = torch.zeros(())
+        diagnostics = {"value": rows} if live else None
+        return Visit(loss, loss, zero, torch.tensor(self.error if live else 0.0), diagnostics)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.backward: list[float] = []
+        self.steps = 0
+        self.logged: dict[str, float] = {}
+        self.metric_rows: list[Tensor] = []
+
+    def hooks(self) -> UpdateHooks:
+        def step() -> bool:
+            self.steps += 1
+            return True
+
+        return UpdateHooks(
+            backward=lambda loss: self.backward.append(float(loss.detach())),
+            optimizer_step=step,
+            log=self.logged.update,
+            clock=lambda: 0.0,
+        )
+
+    def update(self, value: Tensor) -> None:  # the diagnostics "metric"
+        self.metric_rows.append(value)
+
+
+def run(objective: Counting, batch: RolloutBatch, **settings) -> tuple:
+    rec = Recorder()
+    ctx = VisitContext(policy=None, weights=None, guidance=1.0)  # type: ignore[arg-type]
+    done = run_update(
+        UpdateSettings(**settings),
+        objective,
+        ctx,
+        batch,
+        rec.hooks(),
+        rec,  # type: ignore[arg-type]
+        dp=DataParallel(),
+        generator=torch.Generator().manual_seed(0),
+        on_policy_tol=1e-3,
+        forwards_per_sample=2,
+    )
+    return done, rec
+
+
+def test_every_kept_sample_is_visited_once_per_visit_and_epoch() -> None:
+    objective = Counting()
+    done, rec = run(
+        objective, rollout(8, 2), micro_batch_size=4, optimizer_steps_per_rollout=2, num_inner_epochs=2
+    )
+    # 2 epochs × 2 micro-batches × 3 visits
+    assert len(objective.seen) == len(rec.backward) == done.num_losses == 12
+    for epoch in (objective.seen[:6], objective.seen[6:]):
+        for v in range(3):
+            rows = sorted(i for idx, live, w in epoch if w == v for i in idx[:live])
+            assert rows == list(range(8))
+    assert [v for _, _, v in objective.seen[:6]] == [0, 1, 2, 0, 1, 2]  # micro-batch-major
+    assert rec.steps == done.optimizer_steps == 4  # 2 per epoch
+    assert done.forwards == {"update": 2 * 12 * 4, "ref": 0}
+    assert sorted(done.trained.tolist()) == list(range(100, 108))
+    assert done.kept_per_rank == [8]
+
+
+def test_chunks_scale_the_backward_and_step_after_each() -> None:
+    objective = Counting(num_visits=1)
+    batch = rollout(4, 1)
+    done, rec = run(objective, batch, micro_batch_size=1, optimizer_steps_per_rollout=2)
+    # 4 micro-batches × 1 visit in 2 chunks of 2: each loss is divided by the chunk's length.
+    expected = [float(batch.advantages[idx[0]]) / 2 for idx, _, _ in objective.seen]
+    assert rec.backward == pytest.approx(expected)
+    assert rec.steps == 2
+    loss, _, _, nonfinite = done.loss_sums.tolist()
+    assert loss == pytest.approx(float(batch.advantages.sum())) and nonfinite == 0
+
+
+def test_dropped_samples_leave_padding_rows_that_do_not_count() -> None:
+    objective = Counting(num_visits=1)
+    keep = [True, False, True, False, False, True]
+    _, rec = run(objective, rollout(6, 1, keep), micro_batch_size=2, optimizer_steps_per_rollout=1)
+    # 3 kept samples in micro-batches of 2: the second has one live row and one padding row.
+    assert [(len(idx), live) for idx, live, _ in objective.seen] == [(2, 2), (2, 1)]
+    live_rows = sorted(i for idx, live, _ in objective.seen for i in idx[:live])
+    assert live_rows == [0, 2, 5]
+    assert sum(len(r) for r in rec.metric_rows) == 3  # the metric sees live rows only
+    assert rec.logged["global_load/max"] == 3.0  # kept samples × visits
+
+
+def test_nothing_kept_makes_no_visit_and_no_step() -> None:
+    objective = Counting()
+    done, rec = run(objective, rollout(4, 2, [False] * 4))
+    assert objective.seen == [] and rec.steps == 0 and done.optimizer_steps == 0
+    assert done.loss_sums.tolist() == [0.0] * 4
+
+
+def test_on_policy_check_logs_the_first_visit_and_warns_above_the_tolerance() -> None:
+    _, rec = run(Counting(error=0.0), rollout(4, 1))
+    assert rec.logged["actor/on_policy_ratio_err"] == 0.0
+    with pytest.warns(UserWarning, match=r"on-policy check: mean \|ratio − 1\| = 0\.5"):
+        _, rec = run(Counting(error=0.5), rollout(4, 1))
+    assert rec.logged["actor/on_policy_ratio_err"] == 0.5
+
+
+def test_on_policy_tolerance_is_resolved_by_its_settings() -> None:
+    assert UpdateSettings().on_policy_tolerance(fp32=True) == 1e-6
+    assert UpdateSettings().on_policy_tolerance(fp32=False) == 1e-3
+    assert UpdateSettings(on_policy_tol=0.1).on_policy_tolerance(fp32=True) == 0.1
