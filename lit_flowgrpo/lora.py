@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -63,14 +63,24 @@ class TrainableWeights:
         reference_copy: full fine-tune only: keep a frozen copy of the initial transformer as the KL
             reference (with LoRA the reference is the same network with the adapter switched off).
         seed: seeds the adapter's random initialisation.
+        old_policy: keep a second, slowly averaged copy of the trained weights, the old policy that
+            DiffusionNFT samples with and anchors its loss at (:meth:`old`, :meth:`update_old`).
     """
 
-    def __init__(self, lora: LoraSettings | None, reference_copy: bool = False, seed: int = 0) -> None:
+    def __init__(
+        self, lora: LoraSettings | None, reference_copy: bool = False, seed: int = 0, old_policy: bool = False
+    ) -> None:
         self.lora = lora
         self.reference_copy = reference_copy
         self.seed = seed
+        self.old_policy = old_policy
         self.peft_config: Any = None
         self._frozen: nn.Module | None = None
+        # The old policy: with LoRA a stored copy of the adapter's tensors (made on first use, so that
+        # under FSDP2 it is a copy of the sharded tensors), for a full fine-tune a frozen copy of the
+        # transformer (made at attach, sharded like the reference copy).
+        self._old_state: dict[str, Tensor] | None = None
+        self._old_network: nn.Module | None = None
 
     def problems(self, uses_reference: bool) -> list[str]:
         p = [] if self.lora is None else self.lora.problems()
@@ -95,6 +105,8 @@ class TrainableWeights:
                 # Kept out of the module tree: never checkpointed, never trained; moved to the policy's
                 # device on first use.
                 self._frozen = copy.deepcopy(transformer).requires_grad_(False).eval()
+            if self.old_policy:
+                self._old_network = copy.deepcopy(transformer).requires_grad_(False).eval()
             return
         config = self._peft_config(policy)
         transformer.requires_grad_(False)
@@ -158,23 +170,96 @@ class TrainableWeights:
             raise RuntimeError(
                 "the KL reference of a full fine-tune needs --model.init_args.reference_copy=true"
             )
-        # The frozen copy takes the transformer's place in the policy for the duration: no weight is
-        # copied, and it works the same whether the two networks are plain or sharded (FSDP2 gathers
-        # a sharded network's weights from its own storage, so swapping parameter data would not do).
-        name = next((n for n, m in policy.named_children() if m is transformer), None)
-        if name is None:
-            raise RuntimeError(
-                f"{type(policy).__name__}.transformer is not a direct submodule of the policy: the frozen "
-                "reference cannot stand in for it"
-            )
-        device = next(transformer.parameters()).device
-        if next(self._frozen.parameters()).device != device:
-            self._frozen.to(device)
-        policy._modules[name] = self._frozen
+        with _standing_in(policy, self._frozen):
+            yield
+
+    # -- the old policy (DiffusionNFT) ---------------------------------------------------------------
+
+    @property
+    def old_network(self) -> nn.Module | None:
+        """A full fine-tune's copy of the transformer that holds the old policy (``None`` with LoRA or
+        without ``old_policy``); a sharded run shards it like the transformer."""
+        return self._old_network
+
+    def _old_lora(self, policy: FlowPolicy) -> dict[str, Tensor]:
+        if self._old_state is None:
+            # θ_old starts as θ (the reference copies the adapter before the first rollout).
+            self._old_state = {n: p.detach().clone() for n, p in _trainable(policy.transformer)}
+        return self._old_state
+
+    @contextmanager
+    def old(self, policy: FlowPolicy) -> Iterator[None]:
+        """Inside, the policy computes with the old policy's weights (no gradient reaches them).
+
+        LoRA: the stored adapter tensors are copied into the adapter in place and θ back afterwards,
+        so no parameter is added, re-registered or has its ``requires_grad`` flipped (DDP's buckets
+        and the optimizer keep seeing the same tensors), and an in-place copy also reaches FSDP2's
+        shards. Enter it before the θ forward of a visit: the θ graph must not save tensors it swaps.
+        """
+        if not self.old_policy:
+            raise RuntimeError("this run keeps no old policy (TrainableWeights(old_policy=False))")
+        if self.lora is None:
+            assert self._old_network is not None
+            with _standing_in(policy, self._old_network):
+                yield
+            return
+        params = dict(_trainable(policy.transformer))
+        old = self._old_lora(policy)
+        with torch.no_grad():
+            current = {n: p.detach().clone() for n, p in params.items()}
+            for n, p in params.items():
+                p.copy_(old[n])
         try:
             yield
         finally:
-            policy._modules[name] = transformer
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(current[n])
+
+    def sampling(self, policy: FlowPolicy) -> AbstractContextManager[None]:
+        """The weights the rollout samples with: the old policy where there is one (DiffusionNFT's
+        reference samples with its ``old`` adapter), else the trained ones."""
+        return self.old(policy) if self.old_policy else nullcontext()
+
+    @torch.no_grad()
+    def update_old(self, policy: FlowPolicy, decay: float) -> None:
+        """θ_old ← η·θ_old + (1 − η)·θ with η = ``decay`` (DiffusionNFT's soft update, in the
+        reference's order of operations: ``old * decay + new * (1 - decay)``)."""
+        if self.lora is None:
+            assert self._old_network is not None
+            pairs = zip(self._old_network.parameters(), policy.transformer.parameters(), strict=True)
+        else:
+            old = self._old_lora(policy)
+            pairs = ((old[n], p) for n, p in _trainable(policy.transformer))
+        for target, source in pairs:
+            target.copy_(target * decay + source.detach().to(target.dtype) * (1.0 - decay))
+
+    def old_state_dict(self, policy: FlowPolicy) -> dict[str, Tensor]:
+        """The old policy's tensors for a checkpoint (empty without ``old_policy``)."""
+        if not self.old_policy:
+            return {}
+        if self.lora is None:
+            assert self._old_network is not None
+            return {k: v.detach().clone() for k, v in self._old_network.state_dict().items()}
+        return {k: v.detach().clone() for k, v in self._old_lora(policy).items()}
+
+    @torch.no_grad()
+    def load_old_state_dict(self, policy: FlowPolicy, state: dict[str, Tensor]) -> None:
+        """Restore what :meth:`old_state_dict` saved."""
+        if not self.old_policy:
+            return
+        if self.lora is None:
+            assert self._old_network is not None
+            self._old_network.load_state_dict(state, strict=True)
+            return
+        old = self._old_lora(policy)
+        if set(state) != set(old):
+            raise ValueError(
+                f"the checkpoint's old policy holds {len(state)} tensors, this run's adapter {len(old)}: "
+                "resume with the run's own config"
+            )
+        for name, value in state.items():
+            old[name].copy_(value)
 
     @staticmethod
     def read_checkpoint(path: str, module: nn.Module, *, use_ema: bool = True) -> dict[str, Tensor]:
@@ -305,6 +390,32 @@ def _unsharded_copy(module: nn.Module, state: dict[str, torch.Tensor]) -> nn.Mod
         copy_ = type(module).from_config(module.config)
     copy_.load_state_dict(state, strict=True, assign=True)
     return copy_
+
+
+def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+@contextmanager
+def _standing_in(policy: FlowPolicy, network: nn.Module) -> Iterator[None]:
+    """Inside, ``network`` takes the transformer's place in the policy: no weight is copied, and it
+    works the same whether the two networks are plain or sharded (FSDP2 gathers a sharded network's
+    weights from its own storage, so swapping parameter data would not do)."""
+    transformer = policy.transformer
+    name = next((n for n, m in policy.named_children() if m is transformer), None)
+    if name is None:
+        raise RuntimeError(
+            f"{type(policy).__name__}.transformer is not a direct submodule of the policy: a frozen "
+            "copy cannot stand in for it"
+        )
+    device = next(transformer.parameters()).device
+    if next(network.parameters()).device != device:
+        network.to(device)
+    policy._modules[name] = network
+    try:
+        yield
+    finally:
+        policy._modules[name] = transformer
 
 
 @contextmanager

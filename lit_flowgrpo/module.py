@@ -106,7 +106,9 @@ class FlowGRPOModule(L.LightningModule):
         self.diagnostics = dataclasses.replace(diagnostics)
         self.performance = dataclasses.replace(performance)
         self.objective = FlowGRPO() if objective is None else objective
-        self.weights = TrainableWeights(lora, reference_copy=reference_copy, seed=seed)
+        self.weights = TrainableWeights(
+            lora, reference_copy=reference_copy, seed=seed, old_policy=self.objective.old_policy
+        )
         self.policy = policy
         self.reward = as_reward(reward)
         self.optimizer_factory = optimizer
@@ -140,6 +142,7 @@ class FlowGRPOModule(L.LightningModule):
         p = self.sampler.problems() + self.advantage.problems() + self.update.problems()
         p += self.performance.problems(full_fine_tune=self.weights.lora is None)
         p += self.objective.problems(self.sampler.sde_type)
+        p += self.objective.sampler_problems(self.sampler)
         p += self.weights.problems(self.objective.uses_reference)
         p += self.policy.problems() + self.policy.image_size_problems(self.sampler.height, self.sampler.width)
         weights = getattr(self.reward, "weights", None)
@@ -201,8 +204,9 @@ class FlowGRPOModule(L.LightningModule):
         if isinstance(strategy, FSDP2Strategy):
             # After the adapter is attached, so that its weights shard with their blocks.
             strategy.shard(self.policy.transformer)
-            if self.weights.reference_network is not None:
-                strategy.shard(self.weights.reference_network)
+            for network in (self.weights.reference_network, self.weights.old_network):
+                if network is not None:
+                    strategy.shard(network)
 
     def on_fit_start(self) -> None:
         # The frozen text encoders, VAE and reference stay in eval mode on purpose (a frozen network
@@ -223,7 +227,8 @@ class FlowGRPOModule(L.LightningModule):
         timings = dict.fromkeys(STAGES, 0.0)
         start = t = self._clock()
         embeds = self.policy.encode_prompts(batch.prompts)
-        with self.performance.sampling_weights(self.policy.transformer):
+        # The objective's sampling policy (DiffusionNFT's old policy; else the trained weights).
+        with self.weights.sampling(self.policy), self.performance.sampling_weights(self.policy.transformer):
             traj, images = self.sampler.rollout(
                 self.policy,
                 embeds,
@@ -326,6 +331,8 @@ class FlowGRPOModule(L.LightningModule):
             forwards_per_sample=cfg_forwards(self.policy, guidance),
         )
         self._idle.observe(done.optimizer_steps)
+        # After the whole update (DiffusionNFT's old-policy refresh), given the optimizer steps so far.
+        self.objective.after_update(self.weights, self.policy, self.global_step)
         return done
 
     def _optimizer_step(self, opt: Any, sched: Any) -> bool:
@@ -432,6 +439,8 @@ class FlowGRPOModule(L.LightningModule):
             "trainable_keys": sorted(keys),
             "counters": dict(self._counters),
             "idle_rollouts": self._idle.count,
+            # The old policy of DiffusionNFT (not trainable, so not in the state dict above).
+            "old_policy": self.weights.old_state_dict(self.policy),
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -446,6 +455,13 @@ class FlowGRPOModule(L.LightningModule):
         ours = checkpoint.get("lit_flowgrpo", {})
         self._counters.update(ours.get("counters", {}))
         self._idle.count = ours.get("idle_rollouts", 0)
+        if self.weights.old_policy:
+            if not ours.get("old_policy"):
+                raise ValueError(
+                    f"the checkpoint holds no old policy, which {type(self.objective).__name__} needs: it was "
+                    "written by a run with another objective; resume with the run's own config"
+                )
+            self.weights.load_old_state_dict(self.policy, ours["old_policy"])
 
     def load_trainable_checkpoint(self, path: str, use_ema: bool = True) -> None:
         """Load a checkpoint's trainable weights (its EMA weights if present and ``use_ema``)."""

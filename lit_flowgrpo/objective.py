@@ -26,29 +26,37 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
 from torchmetrics import Metric
 
 from lit_flowgrpo.algorithms import (
+    NFT_DECAY_SCHEDULES,
+    NFTRewardMode,
     PolicyStats,
     flow_grpo_loss,
     grpo_guard_loss,
     kl_to_reference,
+    nft_loss,
+    nft_old_policy_decay,
+    nft_reward_probability,
+    nft_sample_times,
     ratio_norm_loss,
 )
 from lit_flowgrpo.errors import flag
 from lit_flowgrpo.lora import TrainableWeights
 from lit_flowgrpo.metrics import DiagnosticsSettings, PolicyRatioStats, clip_range_problems
 from lit_flowgrpo.policies.base import FlowPolicy, index_embeds
-from lit_flowgrpo.rollout import Record, RolloutBatch
+from lit_flowgrpo.rollout import Record, RolloutBatch, Sampler, initial_noise, per_sample_generators
 
 __all__ = [
+    "DiffusionNFT",
     "FlowGRPO",
     "GRPOGuard",
     "GRPOGuardRatioNorm",
+    "NFTDiagnostics",
     "Objective",
     "RatioObjective",
     "ScoredStep",
@@ -72,6 +80,10 @@ class VisitContext:
     """CFG scale of the update's forwards (1: the conditional model alone)."""
     reference_timer: Callable[[], AbstractContextManager[Any]] = nullcontext
     """Wrapped around the reference forward (the ``ref`` stage's clock)."""
+    seed: int = 0
+    """Fixed per (rollout, inner epoch) by the update loop: an objective that draws per visit
+    (DiffusionNFT's noise and noise levels) seeds from it and the sample id, so that a draw does not
+    depend on which micro-batch, rank or resume it falls in."""
 
 
 @dataclass
@@ -119,6 +131,9 @@ class Objective:
     records: ClassVar[tuple[Record, ...]] = ("transitions",)
     #: The SDE step types whose transition this objective's loss is defined for (empty: any).
     sde_types: ClassVar[tuple[str, ...]] = ()
+    #: Whether the trainable weights keep an old policy (:meth:`TrainableWeights.old`) that the
+    #: rollout samples with and :meth:`after_update` refreshes (DiffusionNFT).
+    old_policy: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -134,6 +149,13 @@ class Objective:
                 "defined for that step only; use FlowGRPO with other steps"
             ]
         return []
+
+    def sampler_problems(self, sampler: Sampler) -> list[str]:
+        """Problems with the sampler's settings for this objective (empty when fine)."""
+        return []
+
+    def after_update(self, weights: TrainableWeights, policy: FlowPolicy, optimizer_steps: int) -> None:
+        """Called once after each rollout's update, with the optimizer steps taken so far."""
 
     @property
     def uses_reference(self) -> bool:
@@ -393,3 +415,260 @@ def build_objective(name: str, **kwargs: Any) -> Objective:
     if name not in _REGISTRY:
         raise ValueError(f"unknown objective {name!r}: choose one of {available_objectives()}")
     return _REGISTRY[name](**kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# DiffusionNFT: negative-aware fine-tuning on the forward process
+# --------------------------------------------------------------------------------------------------
+
+NFTDecay = Literal["copy", "linear_to_0_5", "delayed_linear_to_0_999"]
+
+
+@dataclass(repr=False)
+class DiffusionNFT(Objective):
+    """DiffusionNFT (Zheng et al. 2025, arXiv:2509.16117), as NVlabs/DiffusionNFT's
+    ``scripts/train_nft_sd3.py`` trains it: the update regresses v_θ on the rollout's final samples,
+    forward-noised afresh, through the implicit positive and negative policies anchored at an old
+    policy (:func:`~lit_flowgrpo.algorithms.nft_loss`); no log-prob, no transition, no ratio.
+
+    - **Rollout**: sampled with the old policy (a second, slowly averaged copy of the trained weights:
+      the reference's ``old`` adapter) and CFG-free (the reference's ``guidance_scale`` 1.0: the
+      conditional model is what is trained and sampled); only the final latent x0 is kept.
+    - **Visits**: per micro-batch, K = max(1, ⌊T·timestep_fraction⌋) visits; at visit k a sample
+      sits at the k-th of a per-sample random permutation of the T rollout sigmas
+      (:func:`~lit_flowgrpo.algorithms.nft_sample_times`), x_σ = (1 − σ)·x0 + σ·ε with fresh ε seeded
+      per (rollout, inner epoch, sample, visit). A visit runs v_old (no grad), v_ref when
+      ``kl_coef`` > 0, and v_θ.
+    - **Old-policy refresh**: after each rollout's update, θ_old ← η·θ_old + (1 − η)·θ with
+      η = :func:`~lit_flowgrpo.algorithms.nft_old_policy_decay` of the optimizer steps so far.
+
+    Args:
+        beta: β of the implicit policies (published 1.0; 0.1 in the OCR and multi-reward recipes).
+        adv_clip_max: M: advantages clip to ±M and map to r = clip(A, ±M)/(2M) + 1/2; also the loss
+            scale (published 5).
+        adv_mode: the reference's ``adv_mode`` (``"continuous"``: its ``"all"``, the published one).
+        decay: the old policy's decay schedule by its name in
+            :data:`~lit_flowgrpo.algorithms.NFT_DECAY_SCHEDULES` (the reference's default
+            ``decay_type`` 1 is ``linear_to_0_5``).
+        decay_schedule: ``(delay, rate, cap)`` in place of ``decay``'s.
+        timestep_fraction: the fraction of the T rollout sigmas each sample visits (published 0.99).
+        adaptive_weight: the reference's per-sample x0 weighting (published on).
+        adaptive_weight_min: its floor (published 1e-5).
+        kl_coef: the reference's regulariser to the reference policy, kl_coef·mean((v_θ − v_ref)²)
+            (its ``train.beta``, published 1e-4; 0 turns the reference forward off).
+    """
+
+    name: ClassVar[str] = "diffusion_nft"
+    records: ClassVar[tuple[Record, ...]] = ()
+    old_policy: ClassVar[bool] = True
+
+    beta: float = 1.0
+    adv_clip_max: float = 5.0
+    adv_mode: NFTRewardMode = "continuous"
+    decay: NFTDecay = "linear_to_0_5"
+    decay_schedule: tuple[int, float, float] | None = None
+    timestep_fraction: float = 0.99
+    adaptive_weight: bool = True
+    adaptive_weight_min: float = 1e-5
+    kl_coef: float = 1e-4  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.decay_schedule is not None:
+            self.decay_schedule = tuple(self.decay_schedule)  # type: ignore[assignment]  # YAML gives a list
+        self._last_decay = float("nan")
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self).items())
+        return f"{type(self).__name__}({args})"
+
+    @property
+    def schedule(self) -> tuple[int, float, float]:
+        """(delay, rate, cap) of the old policy's decay, resolved."""
+        if self.decay_schedule is not None:
+            delay, rate, cap = self.decay_schedule
+            return int(delay), float(rate), float(cap)
+        return NFT_DECAY_SCHEDULES[self.decay]
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.kl_coef > 0
+
+    def problems(self, sde_type: str, flag_path: str = "") -> list[str]:
+        a = f"{flag_path or flag('objective')}."
+        p = []
+        if not self.beta > 0:
+            p.append(f"{a}beta ({self.beta}) must be > 0 (DiffusionNFT uses 1.0, or 0.1)")
+        if not self.adv_clip_max > 0:
+            p.append(f"{a}adv_clip_max ({self.adv_clip_max}) must be > 0 (DiffusionNFT uses 5.0)")
+        if not 0 < self.timestep_fraction <= 1:
+            p.append(f"{a}timestep_fraction ({self.timestep_fraction}) must lie in (0, 1] (published 0.99)")
+        if not self.adaptive_weight_min > 0:
+            p.append(f"{a}adaptive_weight_min ({self.adaptive_weight_min}) must be > 0 (published 1e-5)")
+        if not self.kl_coef >= 0:
+            p.append(f"{a}kl_coef ({self.kl_coef}) must be >= 0 (published 1e-4)")
+        if self.decay_schedule is not None:
+            if len(self.decay_schedule) != 3:
+                p.append(f"{a}decay_schedule ({self.decay_schedule}) must be (delay, rate, cap)")
+            else:
+                delay, rate, cap = self.decay_schedule
+                if not (delay >= 0 and rate >= 0 and 0 <= cap < 1):
+                    p.append(
+                        f"{a}decay_schedule ({self.decay_schedule}) needs delay >= 0, rate >= 0 and cap in "
+                        "[0, 1): η = 1 would freeze the old policy for good (the published caps are 0.5 "
+                        "and 0.999); or name one by decay"
+                    )
+        elif self.decay not in NFT_DECAY_SCHEDULES:
+            p.append(f"{a}decay ({self.decay!r}) must be one of {sorted(NFT_DECAY_SCHEDULES)}")
+        return p + super().problems(sde_type, flag_path)
+
+    def sampler_problems(self, sampler: Sampler) -> list[str]:
+        if sampler.guidance_scale > 1:
+            return [
+                f"{flag('sampler')}.guidance_scale ({sampler.guidance_scale}) must be 1 with "
+                f"--model.init_args.objective={type(self).__module__}.{type(self).__qualname__}: DiffusionNFT "
+                "is CFG-free, it samples and trains the conditional model alone (the reference's "
+                "guidance_scale 1.0); CFG rollouts would be a policy its loss does not anchor at"
+            ]
+        return []
+
+    def visits(self, batch: RolloutBatch) -> Sequence[int]:
+        schedule = batch.trajectory.schedule
+        if schedule is None:
+            raise ValueError("DiffusionNFT needs the rollout's sigma schedule (Trajectory.schedule)")
+        return range(max(1, int((len(schedule) - 1) * self.timestep_fraction)))
+
+    def _draws(self, ctx: VisitContext, batch: RolloutBatch, idx: Tensor, v: int) -> tuple[Tensor, Tensor]:
+        """(σ (N,), ε (N, *latent)) of visit ``v`` to samples ``idx``, each row from its own seeds."""
+        traj = batch.trajectory
+        assert traj.schedule is not None
+        sigmas = traj.schedule[:-1]  # (T,) without the terminal 0, CPU fp32
+        x0 = traj.final
+        ids = batch.sample_ids[idx].tolist()  # one host read per visit
+        base = [(ctx.seed * 1_000_003 + int(s)) % 2**62 for s in ids]
+        sigma = torch.stack(
+            [
+                nft_sample_times(
+                    sigmas,
+                    1,
+                    timestep_fraction=self.timestep_fraction,
+                    generator=torch.Generator().manual_seed(b),
+                )[0, v]
+                for b in base
+            ]
+        ).to(x0.device)  # (N,) fp32: the v-th of each sample's permutation (same over its visits)
+        seeds = torch.tensor([(b * 1_000_003 + v + 1) % 2**62 for b in base])
+        noise = initial_noise(x0.shape[1:], per_sample_generators(seeds, x0.device), x0.device)
+        return sigma, noise
+
+    def visit(self, ctx: VisitContext, batch: RolloutBatch, idx: Tensor, live: int, v: int) -> Visit:
+        """Forward-noise the final samples ``idx`` at visit ``v``'s σ and return the NFT loss (+ the
+        regulariser) of the first ``live`` rows."""
+        policy, x0 = ctx.policy, batch.trajectory.final[idx]  # (N, *latent) fp32
+        sigma, noise = self._draws(ctx, batch, idx, v)
+        t = sigma.view(-1, *([1] * (x0.ndim - 1)))
+        x = (1 - t) * x0 + t * noise  # x_σ (DESIGN.md, Conventions)
+        cond = index_embeds(batch.embeds, idx)
+        # Guidance 1 in every forward: CFG-free. v_old and v_ref before the θ forward: the old policy
+        # is swapped into the adapter's own tensors, which the θ graph saves.
+        with torch.no_grad(), ctx.weights.old(policy):
+            v_old = policy.velocity(x, sigma, cond, 1.0)
+        v_ref = None
+        if self.uses_reference:
+            with ctx.reference_timer(), torch.no_grad(), ctx.weights.reference(policy):
+                v_ref = policy.velocity(x, sigma, cond, 1.0)
+        v_theta = policy.velocity(x, sigma, cond, 1.0)
+        zero = torch.zeros((), device=x.device)
+        if not live:
+            pg_loss = v_theta.sum() * 0.0  # padding: touches the graph so DDP sees every parameter
+            return Visit(pg_loss, pg_loss, zero, zero, None)
+        rows = idx[:live]
+        r = nft_reward_probability(batch.advantages[rows], adv_clip_max=self.adv_clip_max, mode=self.adv_mode)
+        pg_loss, stats = nft_loss(
+            v_theta[:live],
+            v_old[:live],
+            x0[:live],
+            noise[:live],
+            sigma[:live],
+            r,
+            beta=self.beta,
+            adv_clip_max=self.adv_clip_max,
+            adaptive_weight=self.adaptive_weight,
+            adaptive_weight_min=self.adaptive_weight_min,
+        )
+        kl = zero
+        if v_ref is not None:
+            # The reference's regulariser: mean((v_θ − v_ref)²) per sample, then over the batch.
+            diff = v_theta[:live].float() - v_ref[:live].float()  # (N, *latent) fp32
+            kl = (diff**2).mean(dim=tuple(range(1, diff.ndim))).mean()
+        loss = pg_loss + self.kl_coef * kl
+        diagnostics = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
+        # No ratio to check: DiffusionNFT's off-policy gap is the old deviation, logged as such.
+        return Visit(loss, pg_loss, kl, zero, diagnostics)
+
+    def after_update(self, weights: TrainableWeights, policy: FlowPolicy, optimizer_steps: int) -> None:
+        delay, rate, cap = self.schedule
+        self._last_decay = nft_old_policy_decay(optimizer_steps, delay=delay, rate=rate, cap=cap)
+        weights.update_old(policy, self._last_decay)
+
+    def diagnostics(self, num_steps: int, settings: DiagnosticsSettings) -> Metric:
+        return NFTDiagnostics()
+
+    def diagnostics_values(self, metric: Metric) -> dict[str, float]:
+        values = super().diagnostics_values(metric)
+        values["actor/nft_old_decay"] = self._last_decay  # η of the refresh after this update
+        return values
+
+
+class NFTDiagnostics(Metric):
+    """Means of DiffusionNFT's per-sample statistics (:class:`~lit_flowgrpo.algorithms.NFTStats`) over
+    every (sample, visit) of an update, from sums and a count, so 1 rank and N ranks agree exactly.
+
+    Logged as ``actor/nft_<stat>``: ``r_mean`` (mean optimality probability; 1/2 is no preference),
+    ``positive_loss``/``negative_loss`` (the implicit policies' weighted x0 losses),
+    ``positive_error``/``negative_error`` (their unweighted velocity errors mean((v± − v)²)),
+    ``old_deviation`` (mean((v_θ − v_old)²): how far θ moved from the old policy), ``loss``.
+
+    >>> m = NFTDiagnostics()
+    >>> one = torch.ones(2)
+    >>> m.update(r=torch.tensor([0.0, 1.0]), positive_loss=one, negative_loss=one, loss=one,
+    ...          positive_error=one, negative_error=one, old_deviation=torch.zeros(2))
+    >>> float(m.compute_prefixed()["actor/nft_r_mean"])
+    0.5
+    """
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = None
+    STATS: ClassVar[tuple[str, ...]] = (
+        "r",
+        "positive_loss",
+        "negative_loss",
+        "loss",
+        "positive_error",
+        "negative_error",
+        "old_deviation",
+    )
+
+    def __init__(self, prefix: str = "actor/nft_") -> None:
+        super().__init__()
+        self.prefix = prefix
+        for name in self.STATS:
+            self.add_state(f"sum_{name}", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, **stats: Tensor) -> None:  # type: ignore[override]
+        if set(stats) != set(self.STATS):
+            raise ValueError(f"NFTDiagnostics.update takes {list(self.STATS)}, got {sorted(stats)}")
+        for name in self.STATS:
+            state = getattr(self, f"sum_{name}")
+            setattr(self, f"sum_{name}", state + stats[name].detach().double().sum())
+        self.count = self.count + stats["r"].numel()
+
+    def compute(self) -> dict[str, Tensor]:
+        n = self.count.clamp_min(1)
+        out = {name: getattr(self, f"sum_{name}") / n for name in self.STATS}
+        out["r_mean"] = out.pop("r")
+        return out
+
+    def compute_prefixed(self) -> dict[str, Tensor]:
+        return {self.prefix + k: v for k, v in self.compute().items()}

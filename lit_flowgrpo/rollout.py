@@ -257,6 +257,9 @@ class Trajectory:
     sde_type: SDEType
     sigma_max: float | None
     """The σ used in place of σ = 1 (Flow-GRPO's second sigma)."""
+    schedule: Tensor | None = None
+    """(T + 1,) fp32 on the CPU: the whole σ schedule the rollout was drawn with, ending at 0 (an
+    objective that re-noises the final sample at the sampler's own noise levels reads it: DiffusionNFT)."""
 
     @property
     def num_trained(self) -> int:
@@ -437,6 +440,7 @@ def sample_trajectory(
         noise_level=noise_level,
         sde_type=sde_type,
         sigma_max=sigma_max,
+        schedule=sigmas.cpu(),
     )
 
 

@@ -202,12 +202,15 @@ def run_update(
     ctx = dataclasses.replace(ctx, reference_timer=reference_timer)
     visits = list(objective.visits(batch))
     first = True
-    for _ in range(settings.num_inner_epochs):
+    for epoch in range(settings.num_inner_epochs):
         order = kept[torch.randperm(len(kept), generator=generator).to(kept.device)]
+        # A seed per (rollout, inner epoch) that draws nothing from ``generator``, so the shuffles
+        # stay as they were: objectives that draw per visit (DiffusionNFT) derive theirs from it.
+        epoch_ctx = dataclasses.replace(ctx, seed=generator.initial_seed() * 1_009 + epoch)
         for chunk in settings.chunks(n_micro, n_visits):
             for m, v in chunk:
                 idx, live = settings.micro_batch(order, m, len(batch))
-                out = objective.visit(ctx, batch, idx, live, visits[v])
+                out = objective.visit(epoch_ctx, batch, idx, live, visits[v])
                 result.forwards["update"] += forwards_per_sample * len(idx)
                 result.forwards["ref"] += forwards_per_sample * len(idx) if objective.uses_reference else 0
                 if first:

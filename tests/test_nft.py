@@ -1,0 +1,193 @@
+"""DiffusionNFT through the objective seam, on the tiny SD3: what the rollout records, the old policy
+(start, refresh, checkpoint), the loss of a visit, full fine-tunes, and the refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lit_flowgrpo.algorithms import nft_loss, nft_old_policy_decay, nft_reward_probability
+from lit_flowgrpo.errors import SettingsError
+from lit_flowgrpo.objective import DiffusionNFT, VisitContext, build_objective
+from tests.test_module import lora_state, make_data, make_module, make_trainer
+
+
+def nft_module(path: str, **overrides):
+    overrides.setdefault("guidance_scale", 1.0)
+    objective = overrides.pop("objective", DiffusionNFT())
+    return make_module(path, objective=objective, **overrides)
+
+
+def test_registered_with_published_defaults():
+    nft = build_objective("diffusion_nft")
+    assert isinstance(nft, DiffusionNFT)
+    assert (nft.beta, nft.adv_clip_max, nft.timestep_fraction, nft.kl_coef) == (1.0, 5.0, 0.99, 1e-4)
+    assert nft.schedule == (0, 1e-3, 0.5)  # the reference's decay_type 1
+    assert nft.records == () and nft.old_policy
+
+
+def test_one_step_trains_the_adapter_and_refreshes_the_old_policy(tiny_sd3_path, prompt_file, tmp_path):
+    module = nft_module(tiny_sd3_path)
+    module.configure_model()
+    frozen = {k: v.detach().clone() for k, v in module.named_parameters() if not v.requires_grad}
+    before = lora_state(module)
+    seen = {}
+    original = module.sampler.rollout
+
+    def rollout(*args, **kwargs):  # what the rollout is asked to record, and the old policy at the start
+        seen["record"] = kwargs["record"]
+        seen["old"] = module.weights.old_state_dict(module.policy)
+        traj, images = original(*args, **kwargs)
+        seen["traj"] = traj
+        return traj, images
+
+    module.sampler.rollout = rollout
+    trainer = make_trainer(tmp_path, max_steps=2)
+    trainer.fit(module, datamodule=make_data(prompt_file))
+    assert trainer.global_step == 2
+
+    assert tuple(seen["record"]) == ()
+    traj = seen["traj"]
+    assert traj.num_trained == 0 and traj.prev_sample_means is None and traj.schedule is not None
+    # Before any refresh the old policy is θ as it started.
+    start = {
+        n: before[k] for n, k in zip(seen["old"], before, strict=True)
+    }  # the same tensors, the same order
+    assert len(start) == len(before) == len(seen["old"])
+    assert all(torch.equal(seen["old"][n], start[n]) for n in start)
+    for key, value in module.named_parameters():
+        if not value.requires_grad:
+            assert torch.equal(value, frozen[key]), key
+    after = lora_state(module)
+    assert any(not torch.equal(after[k], before[k]) for k in before), "the adapter did not move"
+    # After the update: θ_old = η·θ_old + (1 − η)·θ with η of the 2 optimizer steps taken.
+    eta = nft_old_policy_decay(2, delay=0, rate=1e-3, cap=0.5)
+    old = module.weights.old_state_dict(module.policy)
+    for n, k in zip(start, before, strict=True):
+        want = before[k] * eta + after[k] * (1 - eta)
+        torch.testing.assert_close(old[n], want, rtol=0, atol=1e-7)
+    logged = {k: float(v) for k, v in trainer.logged_metrics.items()}
+    for key in ("actor/nft_r_mean", "actor/nft_positive_loss", "actor/nft_old_deviation", "actor/loss"):
+        assert key in logged and torch.isfinite(torch.tensor(logged[key])), key
+    assert logged["actor/nft_old_decay"] == pytest.approx(eta)
+
+
+def test_visit_loss_is_nft_loss_on_the_same_tensors(tiny_sd3_path):
+    module = nft_module(tiny_sd3_path, objective=DiffusionNFT(kl_coef=0.0))
+    module.configure_model()
+    policy, nft = module.policy, module.objective
+    embeds = policy.encode_prompts(["a", "b"])
+    traj, _ = module.sampler.rollout(policy, embeds, torch.tensor([1, 2]), step=0, seed=0, record=())
+    from lit_flowgrpo.rollout import RolloutBatch
+
+    batch = RolloutBatch(
+        traj, embeds, torch.tensor([1.5, -0.5]), torch.tensor([0, 1]), torch.ones(2, dtype=torch.bool)
+    )
+    ctx = VisitContext(policy, module.weights, 1.0, seed=11)
+    idx = torch.tensor([0, 1])
+    out = nft.visit(ctx, batch, idx, 2, 1)
+    again = nft.visit(ctx, batch, idx.flip(0), 2, 1)  # a row's draws do not depend on its place
+    torch.testing.assert_close(out.loss, again.loss, rtol=1e-6, atol=0)
+
+    sigma, noise = nft._draws(ctx, batch, idx, 1)
+    x0 = traj.final
+    t = sigma.view(-1, 1, 1, 1)
+    x = (1 - t) * x0 + t * noise
+    with torch.no_grad():
+        v = policy.velocity(x, sigma, embeds, 1.0)
+    want, _ = nft_loss(v, v, x0, noise, sigma, nft_reward_probability(batch.advantages))
+    torch.testing.assert_close(out.loss.detach(), want, rtol=1e-6, atol=0)  # θ = θ_old on-policy
+    assert out.diagnostics["old_deviation"].abs().max() == 0
+
+
+def test_resume_is_exact(tiny_sd3_path, prompt_file, tmp_path):
+    def run(root, max_steps, **fit):
+        module = nft_module(tiny_sd3_path)
+        trainer = make_trainer(tmp_path / root, max_steps=max_steps)
+        trainer.fit(module, datamodule=make_data(prompt_file), **fit)
+        return module, trainer
+
+    straight, _ = run("a", 4)
+    _, trainer = run("b", 2)
+    ckpt = tmp_path / "half.ckpt"
+    trainer.save_checkpoint(ckpt)
+    assert torch.load(ckpt, weights_only=False)["lit_flowgrpo"]["old_policy"]
+    resumed, _ = run("c", 4, ckpt_path=ckpt)
+    a, b = lora_state(straight), lora_state(resumed)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    old_a = straight.weights.old_state_dict(straight.policy)
+    old_b = resumed.weights.old_state_dict(resumed.policy)
+    assert [k for k in old_a if not torch.equal(old_a[k], old_b[k])] == []
+
+
+def test_full_finetune(tiny_sd3_path, prompt_file, tmp_path):
+    module = nft_module(tiny_sd3_path, lora=None, reference_copy=True)
+    module.configure_model()
+    before = {k: v.detach().clone() for k, v in module.policy.transformer.named_parameters()}
+    trainer = make_trainer(tmp_path, max_steps=2)
+    trainer.fit(module, datamodule=make_data(prompt_file))
+    after = dict(module.policy.transformer.named_parameters())
+    assert any(not torch.equal(after[k], before[k]) for k in before)
+    old = module.weights.old_network.state_dict()
+    eta = nft_old_policy_decay(2, rate=1e-3, cap=0.5)
+    for k in before:
+        torch.testing.assert_close(old[k], before[k] * eta + after[k].detach() * (1 - eta), rtol=0, atol=1e-6)
+    ckpt = tmp_path / "full.ckpt"
+    trainer.save_checkpoint(ckpt)
+    assert len(torch.load(ckpt, weights_only=False)["lit_flowgrpo"]["old_policy"]) == len(old)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (dict(guidance_scale=4.5), "sampler.guidance_scale (4.5) must be 1"),
+        (dict(objective=DiffusionNFT(decay_schedule=(0, 1e-3, 1.0))), "objective.init_args.decay_schedule"),
+        (dict(objective=DiffusionNFT(beta=0.0)), "objective.init_args.beta (0.0) must be > 0"),
+        (dict(objective=DiffusionNFT(timestep_fraction=0.0)), "objective.init_args.timestep_fraction"),
+        (dict(objective=DiffusionNFT(), lora=None), "reference_copy=true"),
+    ],
+)
+def test_bad_settings_are_refused_before_weights_load(tiny_sd3_path, overrides, fragment):
+    with pytest.raises(SettingsError) as err:
+        nft_module(tiny_sd3_path, **overrides)
+    assert fragment in str(err.value)
+    if "guidance" in fragment:
+        assert "--model.init_args.objective=" in str(err.value)
+
+
+def test_settings_round_trip():
+    nft = DiffusionNFT(decay_schedule=[75, 7.5e-3, 0.999])
+    assert nft.schedule == (75, 7.5e-3, 0.999)
+    assert DiffusionNFT(**dataclasses.asdict(nft)).schedule == nft.schedule
+
+
+def test_quickstart_nft_runs_shortened(tmp_path):
+    """configs/quickstart_nft.yaml through the CLI on the shapes world: one short rollout and update."""
+    import yaml
+
+    from lit_flowgrpo.cli import FlowGRPOCLI
+    from tests.test_configs import CONFIG_DIR
+
+    cfg = yaml.safe_load((CONFIG_DIR / "quickstart_nft.yaml").read_text())
+    trainer = cfg["trainer"]
+    trainer.update(max_steps=1, default_root_dir=str(tmp_path), num_sanity_val_steps=0, limit_val_batches=1)
+    trainer["logger"]["init_args"]["save_dir"] = str(tmp_path)
+    trainer["callbacks"] = [c for c in trainer["callbacks"] if "HeldOut" not in c["class_path"]]
+    for callback in trainer["callbacks"]:
+        if callback["class_path"].endswith("ModelCheckpoint"):
+            callback["init_args"]["dirpath"] = str(tmp_path / "checkpoints")
+    cfg["data"]["init_args"].update(prompts_per_step=2, group_size=4, val_batch_size=8, max_val_prompts=2)
+    model = cfg["model"]["init_args"]
+    model["update"]["micro_batch_size"] = 8
+    model["sampler"].update(num_steps=3, eval_num_steps=2)
+    path = tmp_path / "quickstart_nft.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cli = FlowGRPOCLI(args=["fit", "--config", str(path)])
+    assert cli.trainer.global_step == 1
+    assert cli.model.objective.name == "diffusion_nft" and cli.model.sampler.guidance_scale == 1.0
+    logged = {k: float(v) for k, v in cli.trainer.logged_metrics.items()}
+    assert (
+        logged["actor/nft_r_mean"] == pytest.approx(0.5, abs=0.5) and logged["actor/nft_old_deviation"] == 0.0
+    )
