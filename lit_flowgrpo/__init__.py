@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "AdvantageSettings": "lit_flowgrpo.advantages",
     "DiagnosticsSettings": "lit_flowgrpo.metrics",
+    "FlowDPPO": "lit_flowgrpo.objective",
     "FlowGRPO": "lit_flowgrpo.objective",
     "FlowGRPOModule": "lit_flowgrpo.module",
     "FSDP2Strategy": "lit_flowgrpo.strategies",
@@ -33,6 +34,7 @@ __all__ = [
     "AdvantageSettings",
     "DiagnosticsSettings",
     "FSDP2Strategy",
+    "FlowDPPO",
     "FlowGRPO",
     "FlowGRPOModule",
     "GRPOGuard",
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
     from lit_flowgrpo.lora import LoraSettings
     from lit_flowgrpo.metrics import DiagnosticsSettings
     from lit_flowgrpo.module import FlowGRPOModule
-    from lit_flowgrpo.objective import FlowGRPO, GRPOGuard, GRPOGuardRatioNorm, Objective
+    from lit_flowgrpo.objective import FlowDPPO, FlowGRPO, GRPOGuard, GRPOGuardRatioNorm, Objective
     from lit_flowgrpo.performance import PerformanceSettings
     from lit_flowgrpo.rollout import Sampler
     from lit_flowgrpo.strategies import FSDP2Strategy

@@ -35,7 +35,13 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-__all__ = ["DiagnosticsSettings", "PolicyRatioStats", "RewardGroupStats", "clip_range_problems"]
+__all__ = [
+    "DiagnosticsSettings",
+    "FlowDPPOStats",
+    "PolicyRatioStats",
+    "RewardGroupStats",
+    "clip_range_problems",
+]
 
 _F64 = torch.float64
 # Differential entropy of N(μ, s²) per element: ½·log(2πe) + log s (Cover & Thomas, eq. 8.8).
@@ -381,6 +387,8 @@ _SUM_FIELDS = (
     "old",  # Σ logp_old
     "ent",  # Σ per-element Gaussian entropy
     "ent_count",  # tokens with std_dev_t
+    "step_kl",  # Σ exact Gaussian step KL(old‖new) (tokens given one)
+    "step_kl_count",  # tokens with a finite step KL
 )
 _COL = {name: i for i, name in enumerate(_SUM_FIELDS)}
 # Columns of the top-KL rows.
@@ -413,6 +421,13 @@ class PolicyRatioStats(_DictMetric):
       the Gaussian transition. It depends only on the noise schedule (σ, noise level, step size), not
       on θ, which moves the mean alone: it is a check of the sampler's settings, not an exploration
       signal. Only present when ``std_dev_t`` was passed.
+    - ``kl_new_old_mean`` = mean(KL_t), ``kl_new_old_max`` = its largest token over all ranks, with
+      KL_t = mean((μ_θ − μ_old)²)/(2·(std_dev_t·sqrt_dt)²) the exact KL(old‖new) of the step's two
+      Gaussian transitions per element (:func:`~lit_flowgrpo.algorithms.gaussian_step_kl` with √|dt|;
+      Flow-DPPO's trust-region quantity, verl-omni's ``actor/kl_new_old_mean``/``_max``). Unlike
+      ``approx_kl``, which estimates the KL from one drawn sample per token, it is exact per token,
+      and it measures how far the update moved the policy on the recorded states. Only present
+      when ``step_kl`` was passed.
     - ``count`` (n) and ``nonfinite_count`` (tokens with a NaN/inf input, excluded from the rest).
 
     Reading it: on-policy (first inner epoch, first micro-batch) the ratio is 1 and every clip fraction
@@ -490,7 +505,8 @@ class PolicyRatioStats(_DictMetric):
         assert rows is not None
         # One state per reduction (not one per statistic): a sync is then three gathers, not fifteen.
         self.add_state("sums", torch.zeros((rows, len(_SUM_FIELDS)), dtype=_F64), dist_reduce_fx="sum")
-        self.add_state("maxs", torch.full((rows, 2), -math.inf, dtype=_F64), dist_reduce_fx="max")  # r, K3
+        # max of r, K3, step KL
+        self.add_state("maxs", torch.full((rows, 3), -math.inf, dtype=_F64), dist_reduce_fx="max")
         self.add_state("mins", torch.full((rows,), math.inf, dtype=_F64), dist_reduce_fx="min")  # r
         if self.top_k_kl:
             self._add_row_state("topk_rows", (len(_TOPK_FIELDS),), _F64)
@@ -509,6 +525,7 @@ class PolicyRatioStats(_DictMetric):
         sample_id: Tensor | None = None,
         std_dev_t: Tensor | None = None,
         sqrt_dt: Tensor | None = None,
+        step_kl: Tensor | None = None,
     ) -> None:
         """Add N tokens (image, denoising step).
 
@@ -525,6 +542,8 @@ class PolicyRatioStats(_DictMetric):
             std_dev_t: (N,) std_dev_t of the transition, for ``entropy``.
             sqrt_dt: (N,) sqrt(|dt|); the transition std is std_dev_t·sqrt_dt. Leave it None when
                 ``std_dev_t`` already is the transition's std.
+            step_kl: (N,) the exact KL(old‖new) of each token's Gaussian step, for
+                ``kl_new_old_mean``/``kl_new_old_max`` (needs μ_old, which not every rollout records).
         """
         n = _check_vector("log_prob", log_prob)
         _check_vector("old_log_prob", old_log_prob, n)
@@ -535,7 +554,7 @@ class PolicyRatioStats(_DictMetric):
         for name, value in (("ratio", ratio), ("step", step), ("sample_id", sample_id)):
             if value is not None:
                 _check_vector(name, value, n)
-        for name, value in (("std_dev_t", std_dev_t), ("sqrt_dt", sqrt_dt)):
+        for name, value in (("std_dev_t", std_dev_t), ("sqrt_dt", sqrt_dt), ("step_kl", step_kl)):
             if value is not None:
                 _check_vector(name, value, n)
         if sqrt_dt is not None and std_dev_t is None:
@@ -590,6 +609,8 @@ class PolicyRatioStats(_DictMetric):
         k3 = torch.expm1(d) - d  # K3 = e^d − d − 1 (Schulman, "Approximating KL divergence", 2020)
         ent = torch.zeros_like(d) if std is None else _HALF_LOG_2PI_E + torch.log(std)
         has_ent = torch.zeros_like(ok) if std is None else ok
+        kl = torch.zeros_like(d) if step_kl is None else step_kl.detach().to(device, _F64)
+        has_kl = ok & torch.isfinite(kl) if step_kl is not None else torch.zeros_like(ok)
 
         okf = ok.to(_F64)
 
@@ -611,12 +632,15 @@ class PolicyRatioStats(_DictMetric):
             "old": z(old),
             "ent": torch.where(has_ent, ent, torch.zeros_like(ent)),
             "ent_count": has_ent.to(_F64),
+            "step_kl": torch.where(has_kl, kl, torch.zeros_like(kl)),
+            "step_kl_count": has_kl.to(_F64),
         }
         token_sums = torch.stack([columns[f] for f in _SUM_FIELDS], dim=1)  # (N, F) fp64
         self.sums.index_add_(0, row, token_sums)
         neg_inf = torch.full_like(r, -math.inf)
         self.maxs[:, 0].scatter_reduce_(0, row, torch.where(ok, r, neg_inf), reduce="amax")
         self.maxs[:, 1].scatter_reduce_(0, row, torch.where(ok, k3, neg_inf), reduce="amax")
+        self.maxs[:, 2].scatter_reduce_(0, row, torch.where(has_kl, kl, neg_inf), reduce="amax")
         self.mins.scatter_reduce_(0, row, torch.where(ok, r, -neg_inf), reduce="amin")
 
         if self.top_k_kl:
@@ -694,6 +718,9 @@ class PolicyRatioStats(_DictMetric):
         }
         if c["ent_count"] > 0:
             out["entropy"] = c["ent"] / c["ent_count"]
+        if c["step_kl_count"] > 0:
+            out["kl_new_old_mean"] = c["step_kl"] / c["step_kl_count"]
+            out["kl_new_old_max"] = mx[2]
         return out
 
     def _trajectory_clip(self) -> dict[str, Tensor]:
@@ -731,6 +758,93 @@ def _top_rows(rows: Tensor, k: int) -> Tensor:
     return rows[order[:k]]
 
 
+# Columns of FlowDPPOStats' mask counts, one row per denoising step (or a single row).
+_DPPO_FIELDS = ("tokens", "high_kl", "pos_rm", "neg_rm")
+
+
+class FlowDPPOStats(PolicyRatioStats):
+    r""":class:`PolicyRatioStats` of a Flow-DPPO update, plus what its trust-region mask did.
+
+    Flow-DPPO (:func:`~lit_flowgrpo.algorithms.flow_dppo_loss`) clips no ratio: it drops a token's
+    gradient when its step KL is at least δ and the update still pushes away from the old policy.
+    Over the n tokens (image, step) the loss saw, under verl-omni's names (``FlowDPPOLoss``):
+
+    - ``kl_mask_fraction`` = #{KL_t ≥ δ}/n: outside the trust region, whatever the direction;
+    - ``pos_rm_fraction`` = #{KL_t ≥ δ, r > 1, A > 0}/n, ``neg_rm_fraction`` = #{KL_t ≥ δ, r < 1, A < 0}/n:
+      dropped on either side; ``masked_fraction`` their sum, the tokens whose gradient the mask removed.
+
+    The inherited ``clip_ratio``, ``clip_ratio_high`` and ``clip_ratio_low`` are left out (no clip
+    removes a gradient here; ``masked_fraction`` is their counterpart); ``pg_clipfrac*`` stay, as a
+    reading of how far the ratios spread around 1 against ``clip_range``, which the loss does not use.
+    Counts are sums over ranks and micro-batches, so any split gives the same fractions; with
+    ``by_step`` each also comes per step (``by_step/<stat>/step_<j>``).
+
+    Example:
+        >>> metric = FlowDPPOStats(clip_range=1e-4)
+        >>> ratio = torch.tensor([1.2, 0.8, 1.1, 0.9])
+        >>> high = torch.tensor([True, True, False, True])
+        >>> adv = torch.tensor([1.0, -1.0, 1.0, 1.0])
+        >>> metric.update(ratio.log(), torch.zeros(4), adv, high_kl=high,
+        ...               pos_rm=high & (ratio > 1) & (adv > 0), neg_rm=high & (ratio < 1) & (adv < 0))
+        >>> out = metric.compute()
+        >>> [float(out[k]) for k in ("kl_mask_fraction", "pos_rm_fraction", "neg_rm_fraction", "masked_fraction")]
+        [0.75, 0.25, 0.25, 0.5]
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        rows = self.num_steps if self.by_step else 1
+        self.add_state("dppo_sums", torch.zeros((rows, len(_DPPO_FIELDS)), dtype=_F64), dist_reduce_fx="sum")
+
+    def update(  # type: ignore[override]
+        self,
+        log_prob: Tensor,
+        old_log_prob: Tensor,
+        advantages: Tensor,
+        *,
+        high_kl: Tensor | None = None,
+        pos_rm: Tensor | None = None,
+        neg_rm: Tensor | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """:meth:`PolicyRatioStats.update` plus the mask of each token (all (N,) bool):
+        ``high_kl`` (KL ≥ δ), ``pos_rm`` and ``neg_rm`` (dropped with A > 0 / A < 0)."""
+        super().update(log_prob, old_log_prob, advantages, **kwargs)
+        n = log_prob.shape[0]
+        if high_kl is None or pos_rm is None or neg_rm is None:
+            raise ValueError("FlowDPPOStats.update needs high_kl, pos_rm and neg_rm: the mask of each token")
+        for name, value in (("high_kl", high_kl), ("pos_rm", pos_rm), ("neg_rm", neg_rm)):
+            _check_vector(name, value, n)
+        device = self.device
+        step = kwargs.get("step")
+        if self.by_step:
+            row = (torch.full((n,), step) if isinstance(step, int) else step).to(device, torch.int64)
+        else:
+            row = torch.zeros(n, dtype=torch.int64, device=device)
+        masks = [torch.ones(n, dtype=torch.bool, device=device), high_kl, pos_rm, neg_rm]
+        self.dppo_sums.index_add_(0, row, torch.stack([m.detach().to(device, _F64) for m in masks], dim=1))
+
+    def compute(self) -> dict[str, Tensor]:
+        out = {k: v for k, v in super().compute().items() if "clip_ratio" not in k}
+        sums = self.dppo_sums
+        out.update(self._mask_fractions(sums.sum(dim=0)))
+        if self.by_step:
+            for j in range(sums.shape[0]):
+                if sums[j, 0] > 0:
+                    out.update({f"by_step/{k}/step_{j}": v for k, v in self._mask_fractions(sums[j]).items()})
+        return out
+
+    @staticmethod
+    def _mask_fractions(s: Tensor) -> dict[str, Tensor]:
+        n, high, pos, neg = s.unbind()
+        return {
+            "kl_mask_fraction": high / n,
+            "pos_rm_fraction": pos / n,
+            "neg_rm_fraction": neg / n,
+            "masked_fraction": (pos + neg) / n,
+        }
+
+
 @dataclass
 class DiagnosticsSettings:
     """Options of the update's ratio/clip/KL statistics (:class:`~lit_flowgrpo.metrics.PolicyRatioStats`).
@@ -742,9 +856,17 @@ class DiagnosticsSettings:
             the geometric-mean ratio over its steps (GSPO-style).
         clip_gate: ``"advantage"`` counts clipping only where it removes the gradient;
             ``"none"`` counts every ratio outside the range (CISPO-style).
+        step_kl: log the exact KL(old‖new) of each trained step's Gaussian transition
+            (``actor/kl_new_old_mean``, ``actor/kl_new_old_max``): how far the update moved the
+            policy. It needs μ_old, so on it makes every ratio objective's rollout record it: one fp32
+            latent per trained step and sample, half again what the trajectory holds (x and
+            x_next). SD3.5-M at 512 px: 16×64×64 fp32 = 256 KiB per step, 2.25 MiB per sample over
+            the 9 trained steps of 10 (less with a window), 108 MiB for 48 samples on a rank.
+            Off, objectives that record μ_old for their loss (GRPO-Guard, Flow-DPPO) still log it.
     """
 
     by_step: bool = True
     top_k_kl: int = 0
     clip_level: Literal["step", "trajectory"] = "step"
     clip_gate: Literal["advantage", "none"] = "advantage"
+    step_kl: bool = True

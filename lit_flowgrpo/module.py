@@ -235,7 +235,7 @@ class FlowGRPOModule(L.LightningModule):
                 batch.seeds,
                 step=batch.step,
                 seed=self.seed,
-                record=self.objective.records,
+                record=self.objective.rollout_records(self.diagnostics),
             )
         timings["gen"], t = self._clock() - t, self._clock()
         rewards = self._score(images, batch)

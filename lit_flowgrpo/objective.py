@@ -1,13 +1,15 @@
-"""Policy objectives: Flow-GRPO and both GRPO-Guard forms as small dataclasses behind one interface.
+"""Policy objectives: Flow-GRPO, both GRPO-Guard forms and Flow-DPPO as small dataclasses behind one interface.
 
 An objective declares what the update needs of it, and the update loop (:mod:`lit_flowgrpo.update`)
 only asks (STYLE.md 13):
 
-- :attr:`Objective.records`: what the rollout must record (the transitions, μ_old);
+- :attr:`Objective.records`: what the rollout must record for the loss (the transitions, μ_old), and
+  :meth:`Objective.rollout_records` what it records with the diagnostics' needs added;
 - :attr:`Objective.sde_types`: the SDE steps its loss is defined for;
 - :meth:`Objective.visits`: which visits the update makes per micro-batch (today: each trained step);
 - :meth:`Objective.visit`: the loss of one visit;
-- :meth:`Objective.diagnostics`: the metric it logs (today :class:`~lit_flowgrpo.metrics.PolicyRatioStats`).
+- :meth:`Objective.diagnostics`: the metric it logs (:class:`~lit_flowgrpo.metrics.PolicyRatioStats`, or
+  :class:`~lit_flowgrpo.metrics.FlowDPPOStats` for Flow-DPPO).
 
 Settings are dataclass fields, so a subclass changes a default in one line and :meth:`settings` is
 ``dataclasses.asdict``. The math is the pure functions of :mod:`lit_flowgrpo.algorithms`; this file
@@ -23,6 +25,7 @@ only chooses and wires them. A new ratio objective is a new subclass, not a bran
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -34,9 +37,12 @@ from torchmetrics import Metric
 
 from lit_flowgrpo.algorithms import (
     NFT_DECAY_SCHEDULES,
+    DPPOStats,
     NFTRewardMode,
     PolicyStats,
+    flow_dppo_loss,
     flow_grpo_loss,
+    gaussian_step_kl,
     grpo_guard_loss,
     kl_to_reference,
     nft_loss,
@@ -47,12 +53,13 @@ from lit_flowgrpo.algorithms import (
 )
 from lit_flowgrpo.errors import flag
 from lit_flowgrpo.lora import TrainableWeights
-from lit_flowgrpo.metrics import DiagnosticsSettings, PolicyRatioStats, clip_range_problems
+from lit_flowgrpo.metrics import DiagnosticsSettings, FlowDPPOStats, PolicyRatioStats, clip_range_problems
 from lit_flowgrpo.policies.base import FlowPolicy, index_embeds
 from lit_flowgrpo.rollout import Record, RolloutBatch, Sampler, initial_noise, per_sample_generators
 
 __all__ = [
     "DiffusionNFT",
+    "FlowDPPO",
     "FlowGRPO",
     "GRPOGuard",
     "GRPOGuardRatioNorm",
@@ -157,6 +164,10 @@ class Objective:
     def after_update(self, weights: TrainableWeights, policy: FlowPolicy, optimizer_steps: int) -> None:
         """Called once after each rollout's update, with the optimizer steps taken so far."""
 
+    def rollout_records(self, diagnostics: DiagnosticsSettings) -> tuple[Record, ...]:
+        """What the rollout records: :attr:`records`, plus what the diagnostics ask of it."""
+        return self.records
+
     @property
     def uses_reference(self) -> bool:
         """Whether a visit runs the reference policy (the KL term is on)."""
@@ -198,6 +209,14 @@ class RatioObjective(Objective):
     """A clipped importance ratio of the recorded SDE transitions plus β·KL to the reference; the
     update visits every trained step of every sample.
 
+    Its diagnostics (:class:`~lit_flowgrpo.metrics.PolicyRatioStats`) include the exact step KL
+    KL(old‖new) = mean((μ_θ − μ_old)²)/(2·(std_dev_t·√|dt|)²) of each visited step
+    (``actor/kl_new_old_mean``/``_max``) whenever μ_old was recorded: always for the objectives
+    whose loss needs it, and for every ratio objective under ``diagnostics.step_kl`` (the default),
+    which then asks the rollout for μ_old (its memory: :class:`~lit_flowgrpo.metrics.DiagnosticsSettings`).
+    The step KL is the transitions' own, with the √|dt| factor, whatever ``kl_with_dt`` says of the
+    reference penalty's unit: it is Flow-DPPO's trust-region quantity, comparable with its δ.
+
     Args:
         clip_range: ε of the ratio clip.
         clip_range_high: ε_high of the upper clip; ``None`` uses ``clip_range``.
@@ -237,6 +256,15 @@ class RatioObjective(Objective):
     def policy_loss(self, scored: ScoredStep) -> tuple[Tensor, PolicyStats]:
         """The clipped policy term (a scalar) and its per-sample statistics."""
         raise NotImplementedError
+
+    def rollout_records(self, diagnostics: DiagnosticsSettings) -> tuple[Record, ...]:
+        if diagnostics.step_kl and "means" not in self.records:
+            return (*self.records, "means")
+        return self.records
+
+    def diagnostics_inputs(self, stats: PolicyStats) -> dict[str, Tensor]:
+        """Extra keyword arguments of the diagnostics metric's ``update``, from the loss's statistics."""
+        return {}
 
     def kl(self, scored: ScoredStep, ref_prev_sample_mean: Tensor) -> Tensor:
         """(N,) KL(μ_θ ‖ μ_ref) of the step's Gaussian transitions (DESIGN.md, Conventions)."""
@@ -290,15 +318,29 @@ class RatioObjective(Objective):
             sample_id=batch.sample_ids[rows],
             std_dev_t=scored.std_dev_t,
             sqrt_dt=scored.sqrt_dt,
+            **self.diagnostics_inputs(stats),
         )
+        if scored.old_prev_sample_mean is not None:
+            with torch.no_grad():  # (N,) fp32, the exact KL of the two Gaussian steps (with √|dt|)
+                diagnostics["step_kl"] = gaussian_step_kl(
+                    scored.prev_sample_mean.detach(),
+                    scored.old_prev_sample_mean,
+                    scored.std_dev_t,
+                    scored.sqrt_dt,
+                )
         return Visit(loss, pg_loss, kl, (stats.ratio - 1).abs().mean(), diagnostics)
 
+    #: The metric :meth:`diagnostics` builds.
+    diagnostics_metric: ClassVar[type[PolicyRatioStats]] = PolicyRatioStats
+
     def diagnostics(self, num_steps: int, settings: DiagnosticsSettings) -> Metric:
-        return PolicyRatioStats(
+        options = dataclasses.asdict(settings)
+        del options["step_kl"]  # what the rollout records; the metric logs the step KL it is given
+        return self.diagnostics_metric(
             clip_range=self.clip_range,
             clip_range_high=self.clip_high,
             num_steps=num_steps,
-            **dataclasses.asdict(settings),
+            **options,
         )
 
     def diagnostics_values(self, metric: Metric) -> dict[str, float]:
@@ -404,6 +446,69 @@ class GRPOGuardRatioNorm(RatioObjective):
             adv_clip_max=self.adv_clip_max,
             target_std=self.resolved_target_std,
         )
+
+
+@dataclass(repr=False)
+class FlowDPPO(RatioObjective):
+    """Flow-DPPO (Ping et al. 2026, arXiv:2606.11025): the unclipped Flow-GRPO surrogate −A·r, with
+    the exact Gaussian KL(old‖new) of each step as the trust region in place of a ratio clip
+    (:func:`~lit_flowgrpo.algorithms.flow_dppo_loss`, as UniRL's ``_flowdppo_kl_adv_loss`` and
+    verl-omni's ``FlowDPPOLoss`` compute it). A step whose KL is at least δ loses its gradient only
+    if the update still pushes it away from the old policy (r > 1 with A > 0, or r < 1 with A < 0);
+    corrective updates and steps inside the region keep theirs.
+
+    Needs μ_old from the rollout, and a step whose log-prob is the Gaussian transition's: ``"sde"``
+    (the published setting) or ``"dance"``. ``"cps"`` is refused: its log-prob leaves out the
+    1/(2s²) of the Gaussian, so its r is not the likelihood ratio the surrogate weighs.
+
+    Args:
+        kl_mask_threshold: δ, in the per-element-mean unit of the package's log-probs (published
+            1e-5 on SD3.5, UniRL's and verl-omni's default).
+        add_kl_coefficient: ``True`` (published) masks on the exact KL, mean(Δμ²)/(2·(std_dev_t·√|dt|)²);
+            ``False`` on mean(Δμ²)/2, without the step's variance.
+        clip_range: not used by the loss (no ratio is clipped). It stays the ε of the diagnostics'
+            ``actor/pg_clipfrac*``: how far the ratios spread around 1, on the Flow-GRPO scale
+            (default 1e-4, its SD3.5 value). What the mask removed is ``actor/masked_fraction``.
+        clip_range_high: ε_high of the same diagnostic; ``None`` uses ``clip_range``.
+        (``adv_clip_max``, ``kl_coef``, ``kl_with_dt`` as :class:`RatioObjective`: the β·KL to the
+        reference is added to the loss as for the others; the published runs use β = 0)
+    """
+
+    name: ClassVar[str] = "flow_dppo"
+    records: ClassVar[tuple[Record, ...]] = ("transitions", "means")
+    sde_types: ClassVar[tuple[str, ...]] = ("sde", "dance")
+    diagnostics_metric: ClassVar[type[PolicyRatioStats]] = FlowDPPOStats
+
+    kl_mask_threshold: float = 1e-5
+    add_kl_coefficient: bool = True
+
+    def problems(self, sde_type: str, flag_path: str = "") -> list[str]:
+        p = super().problems(sde_type, flag_path)
+        if not (self.kl_mask_threshold >= 0 and math.isfinite(self.kl_mask_threshold)):
+            p.append(
+                f"{flag_path or flag('objective')}.kl_mask_threshold ({self.kl_mask_threshold}) must be a "
+                "finite number >= 0: the KL bound of the trust region (Flow-DPPO uses 1e-5 on SD3.5)"
+            )
+        return p
+
+    def policy_loss(self, scored: ScoredStep) -> tuple[Tensor, PolicyStats]:
+        assert scored.old_prev_sample_mean is not None  # recorded: "means" is in records
+        return flow_dppo_loss(
+            scored.log_prob,
+            scored.old_log_prob,
+            scored.advantages,
+            scored.prev_sample_mean,
+            scored.old_prev_sample_mean,
+            scored.std_dev_t,
+            scored.sqrt_dt,
+            kl_mask_threshold=self.kl_mask_threshold,
+            add_kl_coefficient=self.add_kl_coefficient,
+            adv_clip_max=self.adv_clip_max,
+        )
+
+    def diagnostics_inputs(self, stats: PolicyStats) -> dict[str, Tensor]:
+        assert isinstance(stats, DPPOStats)  # what policy_loss returns
+        return {"high_kl": stats.high_kl, "pos_rm": stats.clip_active_high, "neg_rm": stats.clip_active_low}
 
 
 def available_objectives() -> list[str]:

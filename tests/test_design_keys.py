@@ -28,6 +28,9 @@ EXPECTED = [
     *(f"actor/{s}" for s in ("approx_kl", "ppo_kl", "policy_confidence", "mean_new_logp", "mean_old_logp")),
     "actor/logp_diff_mean",
     "actor/kl_max",
+    # verl-omni's FlowDPPOLoss names, logged for every ratio objective (DiagnosticsSettings.step_kl)
+    "actor/kl_new_old_mean",
+    "actor/kl_new_old_max",
     *(f"actor_by_step/ratio_mean/step_{j}" for j in range(3)),
     *(f"timing_s/{s}" for s in ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "step")),
     *(f"timing_per_image_ms/{s}" for s in ("gen", "reward", "update_actor", "step")),

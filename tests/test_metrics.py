@@ -549,3 +549,120 @@ def test_lightning_logs_the_prefixed_keys(tmp_path) -> None:
     assert first["critic/rewards/std"] == pytest.approx(np.std([0.0, 1.0, 2.0, 3.0]), rel=1e-6)
     assert first["critic/rewards/zero_std_ratio"] == 0.0 and second["critic/rewards/zero_std_ratio"] == 1.0
     assert second["critic/advantages/max"] == 0.0
+
+
+# ---------------------------------------------------------------- the exact step KL, Flow-DPPO's mask
+
+
+def _step_kl_case(n: int = 240, steps: int = 6, seed: int = 5) -> tuple[dict[str, Tensor], np.ndarray]:
+    """Tokens with recorded means: μ_θ − μ_old grows with the step; returns the batch and the float64
+    reference KL per token, mean((μ_θ − μ_old)²)/(2·(std_dev_t·sqrt_dt)²) computed in numpy."""
+    b = _token_batch(n, steps, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    mu_old = torch.randn(n, 2, 3, 3, generator=gen)
+    scale = 1e-3 * (1 + b["step"].float()) * b["std_dev_t"] * b["sqrt_dt"]
+    mu = mu_old + scale.view(-1, 1, 1, 1) * torch.randn(n, 2, 3, 3, generator=gen)
+    from lit_flowgrpo.algorithms import gaussian_step_kl
+
+    b["step_kl"] = gaussian_step_kl(mu, mu_old, b["std_dev_t"], b["sqrt_dt"])  # (N,) fp32, as the visit does
+    diff = mu.double().numpy() - mu_old.double().numpy()
+    s = b["std_dev_t"].double().numpy() * b["sqrt_dt"].double().numpy()
+    return b, (diff.reshape(n, -1) ** 2).mean(axis=1) / (2 * s**2)
+
+
+def test_step_kl_matches_float64_over_micro_batches_and_steps() -> None:
+    b, kl = _step_kl_case()
+    metric = PolicyRatioStats(clip_range=0.02, by_step=True, num_steps=6)
+    for idx in torch.tensor_split(torch.arange(len(kl)), 7):  # uneven micro-batches
+        part = {k: v[idx] for k, v in b.items()}
+        metric.update(part.pop("log_prob"), part.pop("old_log_prob"), part.pop("advantages"), **part)
+    out = metric.compute()
+    d = (b["log_prob"] - b["old_log_prob"]).double().numpy()
+    ok = np.isfinite(d)  # the two non-finite log-probs are excluded here too
+    assert (~ok).sum() == 2
+    # fp32 KL of 18 elements: a few ulps relative
+    rtol = 1e-6
+    np.testing.assert_allclose(float(out["kl_new_old_mean"]), kl[ok].mean(), rtol=rtol)
+    np.testing.assert_allclose(float(out["kl_new_old_max"]), kl[ok].max(), rtol=rtol)
+    steps = b["step"].numpy()
+    for j in range(6):
+        at = ok & (steps == j)
+        np.testing.assert_allclose(float(out[f"by_step/kl_new_old_mean/step_{j}"]), kl[at].mean(), rtol=rtol)
+        np.testing.assert_allclose(float(out[f"by_step/kl_new_old_max/step_{j}"]), kl[at].max(), rtol=rtol)
+    assert float(out["by_step/kl_new_old_mean/step_5"]) > 10 * float(out["by_step/kl_new_old_mean/step_0"])
+    assert {"actor/kl_new_old_mean", "actor_by_step/kl_new_old_max/step_2"} <= set(metric.compute_prefixed())
+
+
+def test_step_kl_is_absent_without_means_and_split_invariant() -> None:
+    b, _ = _step_kl_case()
+    without = PolicyRatioStats(clip_range=0.02)
+    _update(without, b, use_ratio=False)
+    assert not any("kl_new_old" in k for k in without.compute())
+    whole, parts = PolicyRatioStats(clip_range=0.02), PolicyRatioStats(clip_range=0.02)
+    whole.update(b["log_prob"], b["old_log_prob"], b["advantages"], step_kl=b["step_kl"])
+    for idx in torch.tensor_split(torch.randperm(len(b["step_kl"])), 5):
+        parts.update(
+            b["log_prob"][idx], b["old_log_prob"][idx], b["advantages"][idx], step_kl=b["step_kl"][idx]
+        )
+    a, c = whole.compute(), parts.compute()
+    assert float(a["kl_new_old_max"]) == float(c["kl_new_old_max"])
+    assert float(a["kl_new_old_mean"]) == pytest.approx(float(c["kl_new_old_mean"]), rel=1e-12)
+
+
+def _dppo_tokens() -> tuple[dict[str, Tensor], dict[str, np.ndarray]]:
+    """Tokens with Flow-DPPO's mask from :func:`flow_dppo_loss`, δ at the median step KL."""
+    from lit_flowgrpo.algorithms import flow_dppo_loss, gaussian_step_kl
+
+    b, _ = _step_kl_case()
+    del b["ratio"]
+    n = len(b["step"])
+    gen = torch.Generator().manual_seed(11)
+    s = (b["std_dev_t"] * b["sqrt_dt"]).unsqueeze(1)
+    mu_old = torch.randn(n, 4, generator=gen)
+    mu = mu_old + 1e-2 * s * torch.randn(n, 4, generator=gen)
+    threshold = float(gaussian_step_kl(mu, mu_old, b["std_dev_t"], b["sqrt_dt"]).median())
+    finite = torch.isfinite(b["log_prob"])
+    _, stats = flow_dppo_loss(
+        torch.where(finite, b["log_prob"], b["old_log_prob"]),
+        b["old_log_prob"],
+        b["advantages"],
+        mu,
+        mu_old,
+        b["std_dev_t"],
+        b["sqrt_dt"],
+        kl_mask_threshold=threshold,
+    )
+    masks = {"high_kl": stats.high_kl, "pos_rm": stats.clip_active_high, "neg_rm": stats.clip_active_low}
+    b.update(masks)
+    return b, {k: v.numpy() for k, v in masks.items()}
+
+
+def test_flow_dppo_stats_count_the_mask_exactly() -> None:
+    from lit_flowgrpo.metrics import FlowDPPOStats
+
+    b, m = _dppo_tokens()
+    assert m["high_kl"].any() and m["pos_rm"].any() and m["neg_rm"].any()  # every branch is exercised
+    whole = FlowDPPOStats(clip_range=0.02, by_step=True, num_steps=6)
+    parts = FlowDPPOStats(clip_range=0.02, by_step=True, num_steps=6)
+    for metric, splits in ((whole, 1), (parts, 4)):
+        for idx in torch.tensor_split(torch.randperm(len(b["step"])), splits):
+            part = {k: v[idx] for k, v in b.items()}
+            metric.update(part.pop("log_prob"), part.pop("old_log_prob"), part.pop("advantages"), **part)
+    out, split = whole.compute(), parts.compute()
+    want = {
+        "kl_mask_fraction": m["high_kl"].mean(),
+        "pos_rm_fraction": m["pos_rm"].mean(),
+        "neg_rm_fraction": m["neg_rm"].mean(),
+        "masked_fraction": (m["pos_rm"] | m["neg_rm"]).mean(),
+    }
+    steps = b["step"].numpy()
+    for j in range(6):
+        at = steps == j
+        want[f"by_step/masked_fraction/step_{j}"] = (m["pos_rm"] | m["neg_rm"])[at].mean()
+    for key, value in want.items():
+        assert float(out[key]) == pytest.approx(value, abs=1e-15), key
+        assert float(split[key]) == pytest.approx(value, abs=1e-15), key
+    # no clip acts in Flow-DPPO: the clip counters are left out, the ratio's spread stays
+    assert not any("clip_ratio" in k for k in out) and "pg_clipfrac" in out and "kl_new_old_mean" in out
+    with pytest.raises(ValueError, match="needs high_kl, pos_rm and neg_rm"):
+        whole.update(b["log_prob"], b["old_log_prob"], b["advantages"], step=b["step"])

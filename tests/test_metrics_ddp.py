@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
-from lit_flowgrpo.metrics import PolicyRatioStats, RewardGroupStats
+from lit_flowgrpo.metrics import FlowDPPOStats, PolicyRatioStats, RewardGroupStats
 
 WORLD = 2
 
@@ -51,6 +51,7 @@ def _tokens(seed: int) -> dict[str, Tensor]:
         "sample_id": sample_id,
         "std_dev_t": 0.3 + torch.rand(samples * steps, generator=gen),
         "sqrt_dt": torch.full((samples * steps,), 0.2),
+        "step_kl": 1e-6 * (1 + step) * torch.rand(samples * steps, generator=gen),
     }
 
 
@@ -65,6 +66,15 @@ def _feed_tokens(metric: PolicyRatioStats, data: dict[str, Tensor], idx: Tensor)
     metric.update(part.pop("log_prob"), part.pop("old_log_prob"), part.pop("advantages"), **part)
 
 
+def _dppo_tokens(seed: int) -> dict[str, Tensor]:
+    data = _tokens(seed)
+    r = data["log_prob"] - data["old_log_prob"]  # sign of log r; NaN compares False
+    high = data["step_kl"] > 2e-6
+    data.update(high_kl=high, pos_rm=high & (r > 0) & (data["advantages"] > 0))
+    data["neg_rm"] = high & (r < 0) & (data["advantages"] < 0)
+    return data
+
+
 # name -> (metric factory, data, feed); the data is rebuilt from its seed in every process
 CASES: dict[str, tuple[Callable[[], object], Callable[[], dict[str, Tensor]], Callable]] = {
     "rewards": (lambda: RewardGroupStats(tol=0.05), lambda: _rewards(0), _feed_rewards),
@@ -74,6 +84,11 @@ CASES: dict[str, tuple[Callable[[], object], Callable[[], dict[str, Tensor]], Ca
             clip_range=0.02, clip_range_high=0.03, by_step=True, num_steps=5, top_k_kl=6
         ),
         lambda: _tokens(0),
+        _feed_tokens,
+    ),
+    "dppo": (
+        lambda: FlowDPPOStats(clip_range=0.02, by_step=True, num_steps=5),
+        lambda: _dppo_tokens(2),
         _feed_tokens,
     ),
     "policy_trajectory": (

@@ -13,6 +13,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lit_flowgrpo import (
     AdvantageSettings,
+    DiagnosticsSettings,
+    FlowDPPO,
     FlowGRPO,
     FlowGRPOModule,
     GRPOGuard,
@@ -339,6 +341,49 @@ def test_grpo_guard_and_window_run(objective_class, clip_range, tiny_sd3_path, p
     assert sde_steps == trained and len(trained) == 2 and trained[0] in (0, 1)
     logged_steps = sorted(int(k.rsplit("_", 1)[1]) for k in row if k.startswith("actor_by_step/ratio_mean/"))
     assert logged_steps == trained
+
+
+def test_flow_dppo_on_policy_masks_nothing_then_its_trust_region_acts(tiny_sd3_path, prompt_file, tmp_path):
+    # One optimizer step per rollout: every visit is on-policy, so the step KL is rounding and no
+    # sample is masked (δ = 1e-5); Flow-DPPO's loss is then the unclipped Flow-GRPO surrogate.
+    module = make_module(tiny_sd3_path, objective_class=FlowDPPO, kl_coef=0.0, optimizer_steps_per_rollout=1)
+    trainer = make_trainer(tmp_path / "on", max_steps=1)
+    trainer.fit(module, datamodule=make_data(prompt_file))
+    row = next(r for r in logged(trainer) if "actor/loss" in r)
+    assert math.isfinite(row["actor/loss"]) and row["actor/on_policy_ratio_err"] <= 1e-6
+    assert (
+        0.0 <= row["actor/kl_new_old_max"] < 1e-10
+        and row["actor/kl_new_old_mean"] <= row["actor/kl_new_old_max"]
+    )
+    assert row["actor/masked_fraction"] == row["actor/kl_mask_fraction"] == 0.0
+    assert "actor/clip_ratio" not in row and "actor/pg_clipfrac" in row
+    assert module.objective_stats.__class__.__name__ == "FlowDPPOStats"
+    # Two steps per rollout at a large lr: the second half of the visits sees a moved policy, far
+    # outside δ = 1e-5 in this unit, and the mask drops the non-corrective ones.
+    module = make_module(tiny_sd3_path, objective_class=FlowDPPO, kl_coef=0.0)
+    trainer = make_trainer(tmp_path / "off", max_steps=2)
+    trainer.fit(module, datamodule=make_data(prompt_file))
+    row = next(r for r in logged(trainer) if "actor/loss" in r)
+    assert row["actor/kl_new_old_max"] > 1e-5 and row["actor/kl_mask_fraction"] > 0.0
+    assert row["actor/masked_fraction"] == pytest.approx(
+        row["actor/pos_rm_fraction"] + row["actor/neg_rm_fraction"]
+    )
+    assert any(k.startswith("actor_by_step/masked_fraction/step_") for k in row)
+
+
+def test_step_kl_is_logged_for_flow_grpo_unless_turned_off(tiny_sd3_path, prompt_file, tmp_path):
+    module = make_module(tiny_sd3_path, kl_coef=0.0)
+    trainer = make_trainer(tmp_path / "on", max_steps=2)
+    trainer.fit(module, datamodule=make_data(prompt_file))
+    row = next(r for r in logged(trainer) if "actor/loss" in r)
+    # the second optimizer step's visits see a moved policy: the step KL is positive
+    assert row["actor/kl_new_old_max"] > 0.0 and row["actor/kl_new_old_mean"] > 0.0
+    assert "actor_by_step/kl_new_old_mean/step_0" in row
+    module = make_module(tiny_sd3_path, kl_coef=0.0, diagnostics=DiagnosticsSettings(step_kl=False))
+    trainer = make_trainer(tmp_path / "off", max_steps=2)
+    trainer.fit(module, datamodule=make_data(prompt_file))
+    row = next(r for r in logged(trainer) if "actor/loss" in r)
+    assert not any("kl_new_old" in k for k in row) and math.isfinite(row["actor/loss"])
 
 
 def test_validation_logs_reward_components(tiny_sd3_path, prompt_file, tmp_path):

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["quickstart.yaml", "quickstart_guard.yaml"])
+@pytest.mark.parametrize("config", ["quickstart.yaml", "quickstart_guard.yaml", "quickstart_dppo.yaml"])
 def test_shortened_quickstart(config, tmp_path, capsys):
     # As short as the assertions allow: one rollout batch of one small group set between the two
     # validations, each of 8 held-out prompts in one batch (8: their strict and partial means differ).
