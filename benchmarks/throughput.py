@@ -34,7 +34,7 @@ import time
 import warnings
 import zlib
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ from torch import Tensor, nn
 
 from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
 from lit_flowgrpo.callbacks import RLThroughputMonitor, available_flops
+from lit_flowgrpo.objective import DiffusionNFT, FlowDPPO, Objective
 from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies.base import Embeds
 from lit_flowgrpo.policies.flux import FluxPolicy
@@ -385,6 +386,15 @@ class Variant:
     micro_batch: int | None = None  # None: --micro-batch
 
 
+#: The full step's objective (``--objective``), each with its recipe's settings and no KL term: the
+#: comparison is of the update's own cost.
+OBJECTIVES: dict[str, Callable[[], Objective]] = {
+    "flow_grpo": lambda: FlowGRPO(clip_range=1e-4, kl_coef=0.0),
+    "flow_dppo": lambda: FlowDPPO(kl_coef=0.0),
+    "diffusion_nft": lambda: DiffusionNFT(kl_coef=0.0),
+}
+
+
 def variants(micro_batch: int) -> list[Variant]:
     """The eager baseline, then one lever more per variant (compilation last: it is the costly one to
     warm up, and it then compiles the fastest eager settings)."""
@@ -582,16 +592,19 @@ def run_training(
         )
         objective, train_cfg = FlowGRPO(clip_range=1e-5, kl_coef=0.0), False
     else:
+        # DiffusionNFT trains and samples CFG-free (its rollout runs the old policy at guidance 1);
+        # the ratio objectives take CFG 4.5 in rollout and update, as flow_grpo's SD3 recipe.
+        nft = args.objective == "diffusion_nft"
         sampler = Sampler(
             num_steps=args.num_steps,
             noise_level=0.7,
-            guidance_scale=4.5,
+            guidance_scale=1.0 if nft else 4.5,
             timestep_fraction=0.99,
             height=res,
             width=res,
             batch_size=variant.rollout_batch_size,
         )
-        objective, train_cfg = FlowGRPO(clip_range=1e-4, kl_coef=0.0), True
+        objective, train_cfg = OBJECTIVES[args.objective](), not nft
     module = FlowGRPOModule(
         policy=POLICIES[spec["family"]](spec, args.device, args.dtype),
         reward=brightness,
@@ -817,6 +830,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--variants", default=None, help="comma-separated subset of the variants (default: all)")
     p.add_argument("--no-fast", dest="fast", action="store_false", help="skip the Flow-GRPO-Fast run")
     p.add_argument(
+        "--objective", choices=sorted(OBJECTIVES), default="flow_grpo", help="the full step's objective"
+    )
+    p.add_argument(
         "--warmup", type=int, default=2, help="rollouts before measuring (compilation happens here)"
     )
     p.add_argument("--steps", type=int, default=3, help="measured rollouts (the median is reported)")
@@ -849,6 +865,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     device = torch.device(args.device)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     config = f"{args.model}{'_tiny' if args.tiny else ''}_{args.resolution}px"
+    if args.objective != "flow_grpo":
+        config += f"_{args.objective}"
     chosen = variants(args.micro_batch)
     if args.variants:
         names = args.variants.split(",")
@@ -887,6 +905,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "warmup",
                 "steps",
                 "dtype",
+                "objective",
             )
         },
         "torch": torch.__version__,

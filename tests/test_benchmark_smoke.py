@@ -81,3 +81,25 @@ def test_tiny_run_writes_the_results_and_table(throughput, tmp_path):
 def test_unknown_variant_names_the_choices(throughput, tmp_path):
     with pytest.raises(SystemExit, match="bf16_compute"):
         throughput.main(["--tiny", "--variants", "eager,warp_drive", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("objective", ["flow_dppo", "diffusion_nft"])
+def test_the_full_step_runs_with_each_objective(throughput, tmp_path, objective):
+    args = ["--tiny", "--variants", "eager", "--warmup", "0", "--steps", "1", "--num-steps", "2", "--no-fast"]
+    args += [
+        "--prompts",
+        "1",
+        "--group",
+        "2",
+        "--micro-batch",
+        "2",
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path),
+    ]
+    summary = throughput.main([*args, "--objective", objective])
+    saved = json.loads((tmp_path / f"cpu_sd35m_tiny_32px_{objective}.json").read_text())
+    assert saved == json.loads(json.dumps(summary)) and saved["setup"]["objective"] == objective
+    (run,) = saved["variants"]
+    assert run["images_per_gpu_s"] > 0 and run["ms_per_image"]["update_actor"] > 0
