@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 import torch
+from test_module import lora_state, make_data, make_module, make_trainer
 
 from lit_flowgrpo.algorithms import nft_loss, nft_old_policy_decay, nft_reward_probability
 from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.objective import DiffusionNFT, VisitContext, build_objective
-from tests.test_module import lora_state, make_data, make_module, make_trainer
 
 
 def nft_module(path: str, **overrides):
@@ -166,9 +166,9 @@ def test_settings_round_trip():
 def test_quickstart_nft_runs_shortened(tmp_path):
     """configs/quickstart_nft.yaml through the CLI on the shapes world: one short rollout and update."""
     import yaml
+    from test_configs import CONFIG_DIR
 
     from lit_flowgrpo.cli import FlowGRPOCLI
-    from tests.test_configs import CONFIG_DIR
 
     cfg = yaml.safe_load((CONFIG_DIR / "quickstart_nft.yaml").read_text())
     trainer = cfg["trainer"]
