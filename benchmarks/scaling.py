@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
 from lit_flowgrpo.callbacks import RLThroughputMonitor
+from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies.base import Embeds
 from lit_flowgrpo.policies.flux import FluxPolicy
 from lit_flowgrpo.policies.sd3 import SD3Policy
@@ -386,6 +387,7 @@ def run(args: argparse.Namespace) -> None:
         # initial weights, per sample, whatever the number of ranks (the equality check needs it).
         update=UpdateSettings(micro_batch_size=args.micro_batch, optimizer_steps_per_rollout=1),
         lora=LoraSettings(rank=32, alpha=64) if lora else None,
+        performance=PerformanceSettings(attention_backend=args.attention_backend),
         reference_copy=not lora and kl_coef > 0,
         # Large enough that two updates show in bf16 weights and in the next rollout's rewards.
         optimizer=functools.partial(torch.optim.AdamW, lr=3e-4 if lora else 1e-4, weight_decay=1e-4),
@@ -444,6 +446,9 @@ def run(args: argparse.Namespace) -> None:
         kl_coef=kl_coef,
         micro_batch=args.micro_batch,
         activation_checkpointing=args.activation_checkpointing,
+        attention_backend=args.attention_backend,
+        skipped_optimizer_steps=module._counters["skipped_optimizer_steps"],
+        nonfinite_losses=module._counters["nonfinite_losses"],
         step_seconds=clock.seconds,
         per_gpu=args.per_gpu,
         peak_memory_gb_whole_run=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
@@ -534,6 +539,10 @@ def summarise(root: Path, name: str, reference: str | None) -> dict[str, Any] | 
         "images_per_gpu": info["per_gpu"],
         "micro_batch": info["micro_batch"],
         "activation_checkpointing": info["activation_checkpointing"],
+        "attention_backend": info.get("attention_backend", "auto"),
+        # A step whose gradient was not finite is skipped (the weights stay): a run that trains has none.
+        "skipped_optimizer_steps": info.get("skipped_optimizer_steps"),
+        "nonfinite_losses": info.get("nonfinite_losses"),
         "rollouts": len(steps),
         "images_per_gpu_s": statistics.median(throughput) if throughput else None,
         "step_seconds_rank0": info["step_seconds"],
@@ -655,6 +664,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--compare_to", default=None, help="a run with --save_trained whose weights to compare with"
     )
     p.add_argument("--activation_checkpointing", action="store_true")
+    p.add_argument(
+        "--attention_backend",
+        default="auto",
+        choices=("auto", "cudnn", "flash", "efficient", "math"),
+        help="PerformanceSettings.attention_backend",
+    )
     p.add_argument(
         "--no_flop_count", action="store_true", help="skip the MFU's FLOP count (one extra forward+backward)"
     )

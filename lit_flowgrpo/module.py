@@ -192,7 +192,9 @@ class FlowGRPOModule(L.LightningModule):
             return
         self.policy.load()
         self.weights.attach(self.policy)
-        self.performance.apply(self.policy.transformer)
+        shape = self.policy.attention_shape(self.sampler.height, self.sampler.width)
+        device = self._trainer.strategy.root_device if self._trainer is not None else self.device
+        self.performance.apply(self.policy.transformer, shape, device)
         self.performance.apply_to_decoder(getattr(self.policy, "vae", None))
         self._configured = True
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)

@@ -15,7 +15,8 @@ rollout and the update compute differently would show up as policy change and be
   only because the first rollout and update pay for compiling.
 - ``compile_decoder``: the VAE decoder compiled as well (the rollout's decode, about 6% of it at
   SD3.5-M / 512 px on an H200).
-- ``attention_backend``: the ``scaled_dot_product_attention`` kernel (``torch.nn.attention.sdpa_kernel``).
+- ``attention_backend``: the ``scaled_dot_product_attention`` kernel (``torch.nn.attention.sdpa_kernel``);
+  ``auto`` is PyTorch's choice minus kernels known to fail at the model's shape (:mod:`lit_flowgrpo.attention`).
 - ``fp8_base_matmuls``: the frozen base weights of a LoRA run multiply in float8 (``lit_flowgrpo.fp8``).
   Not exact against bf16, but the rollout, the update and the reference all use it and each token
   is quantized alone, so the importance ratio is unaffected; off by default.
@@ -34,7 +35,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
+
+from lit_flowgrpo.attention import AttentionShape, capability_of, choose_kernels, sdpa_backends
+from lit_flowgrpo.errors import SettingsError
 
 __all__ = ["PerformanceSettings"]
 
@@ -58,9 +63,11 @@ class PerformanceSettings:
         compile_decoder: ``torch.compile`` the VAE's decoder too (``vae.decoder``), which turns each
             rollout's latents into images; it recompiles for each new batch shape. Needs
             ``compile_blocks`` (the same backend).
-        attention_backend: the ``scaled_dot_product_attention`` kernel: ``"auto"`` lets PyTorch choose;
-            ``"cudnn"``, ``"flash"``, ``"efficient"`` or ``"math"`` force one (an error names the
-            reason if it cannot run the model's attention).
+        attention_backend: the ``scaled_dot_product_attention`` kernel: ``"auto"`` lets PyTorch choose
+            (cuDNN first on Hopper), except kernels known to fail at the model's attention shape on
+            this GPU (:data:`lit_flowgrpo.attention.KNOWN_FAULTS`: cuDNN at FLUX's 512 px shape);
+            ``"cudnn"``, ``"flash"``, ``"efficient"`` or ``"math"`` force one (a warning if it is
+            known to fail there, an error if it cannot run the model's attention at all).
         fp8_base_matmuls: the frozen base weights of the transformer blocks multiply in float8 (e4m3,
             one scale per row; ``lit_flowgrpo.fp8``), in the rollout, the update and the reference
             alike; adapters, norms and attention stay in ``compute_dtype``. A LoRA run on a GPU with
@@ -102,11 +109,7 @@ class PerformanceSettings:
             p.append(
                 f"{flag}.compute_dtype ({self.compute_dtype}) must be auto, float32, bfloat16 or float16"
             )
-        if self.attention_backend not in ("auto", *_SDPA_BACKENDS):
-            p.append(
-                f"{flag}.attention_backend ({self.attention_backend}) must be auto, "
-                + ", ".join(_SDPA_BACKENDS)
-            )
+        p += choose_kernels(self.attention_backend, None, None, f"{flag}.attention_backend")[2]
         if self.compile_decoder and not self.compile_blocks:
             p.append(f"{flag}.compile_decoder needs {flag}.compile_blocks=true (it uses its compile_backend)")
         if self.fp8_base_matmuls and self.rollout_merged_lora:
@@ -135,8 +138,14 @@ class PerformanceSettings:
                 counts[p.dtype] += p.numel()
         return counts.most_common(1)[0][0] if counts else torch.float32
 
-    def apply(self, transformer: nn.Module) -> None:
-        """Set the transformer up to compute as configured; call once, after the adapter is attached."""
+    def apply(
+        self, transformer: nn.Module, attention: AttentionShape | None = None, device: Any = "cpu"
+    ) -> None:
+        """Set the transformer up to compute as configured; call once, after the adapter is attached.
+
+        ``attention``: the model's attention shape at the run's image size (the policy's
+        ``attention_shape``), and ``device`` the one it will run on, for ``attention_backend``.
+        """
         dtype = self.resolved_dtype(transformer)
         autocast = dtype != torch.float32 and any(
             p.dtype != dtype for p in transformer.parameters() if p.is_floating_point()
@@ -149,9 +158,9 @@ class PerformanceSettings:
             for module in transformer.modules():
                 if isinstance(module, BaseTunerLayer):
                     module.cast_input_dtype_enabled = False
-        backend = None if self.attention_backend == "auto" else _sdpa_backend(self.attention_backend)
-        if autocast or backend is not None:
-            scope = _ForwardScope(dtype if autocast else None, backend)
+        kernels = self._attention_kernels(attention, device)
+        if autocast or kernels is not None:
+            scope = _ForwardScope(dtype if autocast else None, kernels and sdpa_backends(kernels))
             transformer.register_forward_pre_hook(scope.enter, with_kwargs=True)
             transformer.register_forward_hook(scope.exit, always_call=True)
         if self.rollout_merged_lora:
@@ -168,6 +177,19 @@ class PerformanceSettings:
                 )
         if self.compile_blocks:
             _compile_repeated_blocks(transformer, self.compile_backend)
+
+    def _attention_kernels(self, shape: AttentionShape | None, device: Any) -> tuple[str, ...] | None:
+        flag = "--model.init_args.performance.attention_backend"
+        kernels, warns, errors = choose_kernels(self.attention_backend, shape, capability_of(device), flag)
+        if errors:
+            raise SettingsError("; ".join(errors))
+        for message in warns:
+            rank_zero_warn(message)
+        if self.attention_backend == "auto" and kernels is not None:
+            rank_zero_info(
+                f"{flag}=auto: PyTorch chooses among {', '.join(kernels)} (known faults at this shape)"
+            )
+        return kernels
 
     def apply_to_decoder(self, vae: nn.Module | None) -> None:
         """Compile the VAE's decoder (``compile_decoder``); call once, with the policy's ``vae``."""
@@ -209,20 +231,6 @@ class PerformanceSettings:
                 param.data = data
 
 
-_SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
-
-
-def _sdpa_backend(name: str) -> Any:
-    from torch.nn.attention import SDPBackend
-
-    return {
-        "cudnn": SDPBackend.CUDNN_ATTENTION,
-        "flash": SDPBackend.FLASH_ATTENTION,
-        "efficient": SDPBackend.EFFICIENT_ATTENTION,
-        "math": SDPBackend.MATH,
-    }[name]
-
-
 class _ForwardScope:
     """Autocast and the attention backend around each transformer forward.
 
@@ -232,9 +240,9 @@ class _ForwardScope:
     names, hence the checkpoints and exported adapters, unchanged.
     """
 
-    def __init__(self, dtype: torch.dtype | None, backend: Any) -> None:
+    def __init__(self, dtype: torch.dtype | None, backends: list[Any] | None) -> None:
         self.dtype = dtype
-        self.backend = backend
+        self.backends = backends
         self._open: list[ExitStack] = []
 
     def enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -242,10 +250,10 @@ class _ForwardScope:
         if self.dtype is not None:
             device = next(module.parameters()).device.type
             stack.enter_context(torch.autocast(device_type=device, dtype=self.dtype))
-        if self.backend is not None:
+        if self.backends is not None:
             from torch.nn.attention import sdpa_kernel
 
-            stack.enter_context(sdpa_kernel([self.backend]))
+            stack.enter_context(sdpa_kernel(self.backends))
         self._open.append(stack)
 
     def exit(self, module: nn.Module, args: Any, output: Any) -> None:

@@ -26,6 +26,8 @@ import torch
 from packaging.version import Version
 from torch import Tensor, nn
 
+from lit_flowgrpo.attention import AttentionShape
+
 Embeds = dict[str, Tensor]
 """Prompt conditioning: every tensor is batch-first, one row per prompt."""
 
@@ -293,6 +295,11 @@ class FlowPolicy(nn.Module, ABC):
     @abstractmethod
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         """Per-sample latent shape for an image of ``height`` x ``width`` pixels."""
+
+    def attention_shape(self, height: int, width: int) -> AttentionShape | None:
+        """The transformer's joint attention at this image size (heads, head dim, text + image
+        tokens), which the attention kernel is chosen for; ``None``: not a family with known faults."""
+        return None
 
     #: The family's diffusers pipeline class, by name (``_class_name`` in ``model_index.json``).
     pipeline_name: str = ""

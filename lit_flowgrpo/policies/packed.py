@@ -21,6 +21,7 @@ import torch
 from diffusers import DiffusionPipeline
 from torch import Tensor, nn
 
+from lit_flowgrpo.attention import AttentionShape
 from lit_flowgrpo.policies.base import (
     HEIGHT_FLAG,
     WIDTH_FLAG,
@@ -236,6 +237,20 @@ class PackedLatentPolicy(FlowPolicy):
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         rows, cols = self._packed_grid(height, width)
         return (rows * cols, int(self.transformer.config.in_channels))
+
+    #: Prompts of different lengths are padded and the padding masked in attention.
+    masked_prompts: bool = False
+
+    def attention_shape(self, height: int, width: int) -> AttentionShape:
+        # Prompts are padded to max_sequence_length tokens, then the image's packed patches.
+        rows, cols = self._packed_grid(height, width)
+        config = self.transformer.config
+        return AttentionShape(
+            config.num_attention_heads,
+            config.attention_head_dim,
+            self.max_sequence_length + rows * cols,
+            masked=self.masked_prompts,
+        )
 
     def sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
         rows, cols = self._packed_grid(height, width)

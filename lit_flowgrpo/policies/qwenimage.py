@@ -47,6 +47,8 @@ class QwenImagePolicy(PackedLatentPolicy):
             the cache holds each prompt's unpadded rows.
     """
 
+    masked_prompts = True
+
     #: Attention and MLP projections of both streams (verl ``examples/flowgrpo_trainer``
     #: ``run_flowgrpo.sh``, Qwen-Image LoRA r64 α128).
     default_lora_targets: tuple[str, ...] = (

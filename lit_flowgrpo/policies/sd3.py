@@ -9,6 +9,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from torch import Tensor, nn
 
+from lit_flowgrpo.attention import AttentionShape
 from lit_flowgrpo.policies.base import (
     HEIGHT_FLAG,
     MMDIT_ATTENTION_PROJECTIONS,
@@ -167,3 +168,12 @@ class SD3Policy(FlowPolicy):
                 f"{factor * self.pipe.patch_size} for this model"
             )
         return (self.transformer.config.in_channels, height // factor, width // factor)
+
+    def attention_shape(self, height: int, width: int) -> AttentionShape:
+        _, rows, cols = self.latent_shape(height, width)
+        patches = (rows // self.pipe.patch_size) * (cols // self.pipe.patch_size)
+        config = self.transformer.config
+        # 77 CLIP tokens and the T5 prompt, then the image patches
+        return AttentionShape(
+            config.num_attention_heads, config.attention_head_dim, 77 + self.max_sequence_length + patches
+        )
