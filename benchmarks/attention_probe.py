@@ -14,7 +14,7 @@ compared with the math kernel in fp32 on the same inputs. A case ends as
   process, which the parent restarts after the case that killed it.
 
     python benchmarks/attention_probe.py --out benchmarks/results          # families and sweeps
-    python benchmarks/attention_probe.py --only flux --out /tmp/probe       # one family's shapes
+    python benchmarks/attention_probe.py --only model_flux,flux --out /tmp/probe   # one family's shapes
 
 Results: ``<out>/attention_probe_<device>.json`` (the versions of torch, CUDA and cuDNN, and every
 case's status per kernel), and a summary on stdout.
@@ -290,7 +290,9 @@ def probe(jobs: list[tuple[Case, str]], timeout_s: float) -> tuple[dict[str, Any
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--only", default=None, help="only cases whose name starts with this")
+    parser.add_argument(
+        "--only", default=None, help="only cases whose name starts with one of these (commas)"
+    )
     parser.add_argument(
         "--sweep", default="1024:1665:64", help="sequence lengths START:STOP:STEP of the sweep ('' for none)"
     )
@@ -311,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
             range(*ints(args.sweep.replace(":", ","))), ints(args.sweep_dims), ints(args.sweep_batches)
         )
     if args.only:
-        cases = [c for c in cases if c.name.startswith(args.only)]
+        cases = [c for c in cases if c.name.startswith(tuple(args.only.split(",")))]
     jobs = [(c, b) for c in cases for b in args.backends.split(",")]
     info, results = probe(jobs, args.timeout)
     rows: dict[str, dict[str, Any]] = {}

@@ -159,8 +159,10 @@ def test_default_kernels_train_flux_at_its_faulty_shape(batch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_known_fault_reproduces_at_flux_shape(tmp_path):
     # In child processes (an illegal memory access kills the CUDA context): flash first, then cuDNN,
-    # at FLUX's 512 px attention with micro-batches of 1 and 2, and the FLUX blocks themselves.
-    cmd = [sys.executable, str(PROBE), "--only", "flux_512_b", "--sweep", "", "--backends", "flash,cudnn"]
+    # on FLUX's blocks and at its 512 px attention alone. The fault depends on what the kernel reads
+    # past its inputs, so a run may not show it: then the test says so and skips.
+    only = "model_flux,flux_512_b"
+    cmd = [sys.executable, str(PROBE), "--only", only, "--sweep", "", "--backends", "flash,cudnn"]
     subprocess.run([*cmd, "--out", str(tmp_path)], check=True, capture_output=True, timeout=600)
     (result,) = tmp_path.glob("attention_probe_*.json")
     cases = json.loads(result.read_text())["cases"]
