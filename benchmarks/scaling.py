@@ -379,15 +379,19 @@ def run(args: argparse.Namespace) -> None:
             guidance_scale=1.0
             if args.size in FLUX_SIZES
             else 4.5,  # FLUX.1-dev: guidance is an input embedding
-            height=spec["resolution"],
-            width=spec["resolution"],
+            height=args.resolution or spec["resolution"],
+            width=args.resolution or spec["resolution"],
             batch_size=args.per_gpu,  # one rollout chunk per rank's share: 1 GPU runs the same forwards
         ),
         # One optimizer step per rollout: every ratio of the first rollout is then computed with the
         # initial weights, per sample, whatever the number of ranks (the equality check needs it).
         update=UpdateSettings(micro_batch_size=args.micro_batch, optimizer_steps_per_rollout=1),
         lora=LoraSettings(rank=32, alpha=64) if lora else None,
-        performance=PerformanceSettings(attention_backend=args.attention_backend),
+        performance=PerformanceSettings(
+            attention_backend=args.attention_backend,
+            # under fsdp2 the strategy's flag (the same lever) turns it on
+            activation_checkpointing=args.activation_checkpointing and args.strategy != "fsdp2",
+        ),
         reference_copy=not lora and kl_coef > 0,
         # Large enough that two updates show in bf16 weights and in the next rollout's rewards.
         optimizer=functools.partial(torch.optim.AdamW, lr=3e-4 if lora else 1e-4, weight_decay=1e-4),
@@ -445,6 +449,7 @@ def run(args: argparse.Namespace) -> None:
         lora=lora,
         kl_coef=kl_coef,
         micro_batch=args.micro_batch,
+        resolution=args.resolution or spec["resolution"],
         activation_checkpointing=args.activation_checkpointing,
         attention_backend=args.attention_backend,
         skipped_optimizer_steps=module._counters["skipped_optimizer_steps"],
@@ -538,6 +543,7 @@ def summarise(root: Path, name: str, reference: str | None) -> dict[str, Any] | 
         "kl_coef": info["kl_coef"],
         "images_per_gpu": info["per_gpu"],
         "micro_batch": info["micro_batch"],
+        "resolution": info.get("resolution"),
         "activation_checkpointing": info["activation_checkpointing"],
         "attention_backend": info.get("attention_backend", "auto"),
         # A step whose gradient was not finite is skipped (the weights stay): a run that trains has none.
@@ -650,6 +656,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--kl_coef", type=float, default=None, help="default: 0 for LoRA, 0.04 for a full fine-tune"
     )
     p.add_argument("--size", choices=sorted(SIZES), default="sd35m")
+    p.add_argument("--resolution", type=int, default=None, help="image side in pixels (default: the size's)")
     p.add_argument("--per_gpu", type=int, default=16, help="images per GPU per rollout")
     p.add_argument("--global_ranks", type=int, default=2, help="ranks the global batch is sized for")
     p.add_argument("--micro_batch", type=int, default=8)

@@ -20,6 +20,9 @@ rollout and the update compute differently would show up as policy change and be
 - ``fp8_base_matmuls``: the frozen base weights of a LoRA run multiply in float8 (``lit_flowgrpo.fp8``).
   Not exact against bf16, but the rollout, the update and the reference all use it and each token
   is quantized alone, so the importance ratio is unaffected; off by default.
+- ``activation_checkpointing``: the update recomputes each transformer block's activations in its
+  backward instead of keeping them (the model's own gradient checkpointing), on one GPU, under DDP
+  or fsdp2 alike: memory for one more forward per update pass. Sampling (no gradient) is unaffected.
 - ``rollout_merged_lora``: sampling (no gradient) runs on a copy of each adapted weight with the LoRA
   delta merged in: one matrix product per layer instead of three. Not exact: the update keeps the
   adapter path, so rollout and update round differently in bf16 (``actor/on_policy_ratio_err``
@@ -75,6 +78,10 @@ class PerformanceSettings:
             Not exact against bf16 (each product rounds its inputs to 3 mantissa bits), so off by
             default. Every token of every product quantizes with its own scale, whatever the batch,
             so the on-policy ratio is unaffected (``actor/on_policy_ratio_err``).
+        activation_checkpointing: recompute each transformer block's activations in the update's
+            backward instead of keeping them (diffusers' ``enable_gradient_checkpointing``): the
+            activation memory of one block instead of all, for about one more forward per update
+            pass. Any strategy (``FSDP2Strategy(activation_checkpointing=true)`` is the same lever).
         rollout_merged_lora: sample the rollout (and validation) with each LoRA delta merged into a
             copy of its base weight, which costs the memory of the adapted weights (bf16). Not exact
             (see the module docstring): watch ``actor/on_policy_ratio_err``. Single-device and DDP
@@ -87,6 +94,7 @@ class PerformanceSettings:
     compile_decoder: bool = False
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
     fp8_base_matmuls: bool = False
+    activation_checkpointing: bool = False
     rollout_merged_lora: bool = False
 
     def problems(
@@ -163,6 +171,10 @@ class PerformanceSettings:
             scope = _ForwardScope(dtype if autocast else None, kernels and sdpa_backends(kernels))
             transformer.register_forward_pre_hook(scope.enter, with_kwargs=True)
             transformer.register_forward_hook(scope.exit, always_call=True)
+        if self.activation_checkpointing:
+            enable_activation_checkpointing(
+                transformer, "--model.init_args.performance.activation_checkpointing"
+            )
         if self.rollout_merged_lora:
             _mergeable_lora_layers(transformer)  # fails now, not at the first rollout
         if self.fp8_base_matmuls:
@@ -259,6 +271,18 @@ class _ForwardScope:
     def exit(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._open:
             self._open.pop().close()
+
+
+def enable_activation_checkpointing(transformer: nn.Module, flag: str) -> None:
+    """The model's own gradient checkpointing of its blocks (diffusers' ``enable_gradient_checkpointing``,
+    which recomputes each block in the backward, non-reentrant, and only where gradients are taken)."""
+    enable = getattr(transformer, "enable_gradient_checkpointing", None)
+    if not callable(enable) or not getattr(transformer, "_supports_gradient_checkpointing", False):
+        raise SettingsError(
+            f"{flag}=true: {type(transformer).__name__} has no gradient checkpointing of its blocks "
+            "(diffusers' enable_gradient_checkpointing); drop the setting"
+        )
+    enable()
 
 
 def _mergeable_lora_layers(transformer: nn.Module) -> list[Any]:

@@ -38,6 +38,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from torch import nn
 
 from lit_flowgrpo.errors import SettingsError
+from lit_flowgrpo.performance import enable_activation_checkpointing
 
 __all__ = ["FSDP2Strategy", "reshard", "transformer_blocks"]
 
@@ -88,7 +89,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         activation_checkpointing: recompute each transformer block's activations in the backward
             instead of keeping them (the model's own gradient checkpointing, diffusers'
             ``enable_gradient_checkpointing``): about one more forward per update pass, for the
-            activation memory of all blocks but one.
+            activation memory of all blocks but one. The same as
+            ``--model.init_args.performance.activation_checkpointing``, which any strategy honours.
         cpu_offload: keep the sharded parameters, gradients and optimizer state in host memory
             (FSDP2's ``CPUOffloadPolicy``); each block is copied to the GPU for its forward and backward,
             and the optimizer step runs on the CPU. Needs GPUs.
@@ -153,13 +155,7 @@ class FSDP2Strategy(ModelParallelStrategy):
                 "sharding it as one unit would gather the whole model for every forward"
             )
         if self.activation_checkpointing and any(p.requires_grad for p in module.parameters()):
-            enable = getattr(module, "enable_gradient_checkpointing", None)
-            if not callable(enable) or not getattr(module, "_supports_gradient_checkpointing", False):
-                raise ValueError(
-                    f"{_FLAG}.activation_checkpointing=true: {type(module).__name__} has no gradient "
-                    "checkpointing of its blocks (diffusers' enable_gradient_checkpointing); drop the flag"
-                )
-            enable()
+            enable_activation_checkpointing(module, f"{_FLAG}.activation_checkpointing")
         options: dict[str, Any] = {
             "mesh": self.device_mesh["data_parallel"],
             "reshard_after_forward": self.reshard_after_forward,

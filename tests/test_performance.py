@@ -210,3 +210,37 @@ def test_compile_decoder_needs_compiled_blocks_and_a_decoder():
     )
     with pytest.raises(ValueError, match=r"--model\.init_args\.performance\.compile_decoder.*no `decoder`"):
         PerformanceSettings(compile_blocks=True, compile_decoder=True).apply_to_decoder(torch.nn.Linear(2, 2))
+
+
+def test_activation_checkpointing_recomputes_blocks_with_the_same_gradients(tiny_sd3_path):
+    # Recomputing a deterministic fp32 forward gives the same activations, so the gradients are
+    # bit-equal; each block runs once more, in the backward, and only where gradients are taken.
+    plain = adapted_policy(tiny_sd3_path, "float32", PerformanceSettings())
+    checkpointed = adapted_policy(
+        tiny_sd3_path, "float32", PerformanceSettings(activation_checkpointing=True)
+    )
+    assert (
+        checkpointed.transformer.is_gradient_checkpointing and not plain.transformer.is_gradient_checkpointing
+    )
+    inputs = velocity_inputs(plain, seed=2)
+    grads, calls = [], []
+    for policy in (plain, checkpointed):
+        seen: list[int] = []
+        block = policy.transformer.transformer_blocks[0]
+        hook = block.register_forward_pre_hook(lambda *_, seen=seen: seen.append(1))
+        policy.transformer.train()
+        with torch.no_grad():
+            policy.velocity(*inputs, 4.5)  # a rollout forward: nothing to recompute
+        policy.velocity(*inputs, 4.5).square().mean().backward()
+        hook.remove()
+        calls.append(len(seen))
+        grads.append([p.grad.clone() for p in policy.transformer.parameters() if p.requires_grad])
+    assert calls == [2, 3]
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_activation_checkpointing_of_a_model_without_it_names_the_setting():
+    with pytest.raises(
+        ValueError, match=r"performance\.activation_checkpointing=true: Linear has no gradient"
+    ):
+        PerformanceSettings(activation_checkpointing=True).apply(torch.nn.Linear(2, 2))
