@@ -413,6 +413,20 @@ def variants(micro_batch: int) -> list[Variant]:
         ),
         Variant("compile_whole_rollout", "compile, rollout of the whole batch in one forward", compiled),
         Variant(
+            "compile_batch16",
+            "compile, rollout batch = update micro-batch = 16 images (32 per forward with CFG); exact bf16",
+            compiled,
+            rollout_batch_size=16,
+            micro_batch=16,
+        ),
+        Variant(
+            "compile_batch16_decoder",
+            "compile_batch16 + the VAE decoder compiled; exact bf16 (the SD3 recipes' speed settings)",
+            dataclasses.replace(compiled, compile_decoder=True),
+            rollout_batch_size=16,
+            micro_batch=16,
+        ),
+        Variant(
             "compile_fp8",
             "compile + frozen base weights multiply in float8 (e4m3, a scale per row; not exact)",
             dataclasses.replace(compiled, fp8_base_matmuls=True),
