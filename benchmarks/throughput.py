@@ -14,6 +14,17 @@ compared with the eager baseline of the same run.
     python benchmarks/throughput.py --model qwenimage --rollout-only
     # the CPU smoke run the tests use (tiny configs, seconds)
     python benchmarks/throughput.py --tiny --out tiny_results
+    # the step with a reward of real cost, scored after the rollout and beside it
+    python benchmarks/throughput.py --model sd35m --variants compile --no-fast \
+        --reward pickscore_sized --reward-overlap both
+
+``--reward`` chooses what scores the images: ``brightness`` (free, on the GPU: the RL machinery
+alone), ``pickscore_sized`` (the real PickScore code on a CLIP-H-sized model with random weights on
+the policy's device), ``ocr`` (the real OCR reward, RapidOCR on the CPU, on images with the prompt's
+text drawn in) or ``remote:<ms>`` (the real VLM-judge client against a server on 127.0.0.1 that
+answers each request after ``<ms>`` milliseconds). ``--reward-overlap on|off|both`` scores each
+rollout chunk beside the sampling of the next (the reward's ``overlap``), after the rollout, or each
+variant both ways.
 
 Results: ``<out>/<device>_<model>.json`` and a markdown table ``<out>/README.md`` (one section per
 results file).
@@ -30,6 +41,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import warnings
 import zlib
@@ -40,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
@@ -53,6 +66,7 @@ from lit_flowgrpo.policies.base import Embeds
 from lit_flowgrpo.policies.flux import FluxPolicy
 from lit_flowgrpo.policies.qwenimage import QwenImagePolicy
 from lit_flowgrpo.policies.sd3 import SD3Policy
+from lit_flowgrpo.rewards import MultiReward
 
 # --------------------------------------------------------------------------------------------------
 # Model specs: the public configs (transformer/config.json, vae/config.json, scheduler of each hub
@@ -366,9 +380,176 @@ class BenchQwenImagePolicy(_RandomWeights, QwenImagePolicy):
 POLICIES = {"sd3": BenchSD3Policy, "flux": BenchFluxPolicy, "qwenimage": BenchQwenImagePolicy}
 
 
+# --------------------------------------------------------------------------------------------------
+# Rewards (--reward): free, or the real reward code at its real cost.
+# --------------------------------------------------------------------------------------------------
+
+
 def brightness(images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
     """A reward computed on the GPU at no cost, so the step measures the RL machinery alone."""
     return images.float().mean(dim=(1, 2, 3))
+
+
+#: PickScore's model: CLIP ViT-H/14 (laion/CLIP-ViT-H-14-laion2B-s32B-b79K, config.json), and a tiny
+#: CLIP of the same class for the CPU smoke run.
+CLIP_SPECS: dict[str, dict[str, Any]] = {
+    "full": dict(
+        vision=dict(
+            hidden_size=1280,
+            num_hidden_layers=32,
+            num_attention_heads=16,
+            intermediate_size=5120,
+            patch_size=14,
+            image_size=224,
+        ),
+        text=dict(
+            hidden_size=1024,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            intermediate_size=4096,
+            vocab_size=49408,
+        ),
+        projection_dim=1024,
+    ),
+    "tiny": dict(
+        vision=dict(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            patch_size=8,
+            image_size=32,
+        ),
+        text=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64),
+        projection_dim=16,
+    ),
+}
+
+
+def clip_sized(spec: dict[str, Any], device: torch.device) -> tuple[nn.Module, Any]:
+    """A ``CLIPModel`` of ``spec``'s shape with random weights on ``device`` (fp32), and a processor
+    built here: CLIP's image preprocessing at the model's size, a character-level CLIP tokenizer (the
+    real one's merges are a download; prompts then run longer, up to the same 77 tokens)."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    from lit_flowgrpo.tiny.tokenizers import clip_tokenizer
+
+    tokenizer = clip_tokenizer()
+    size = spec["vision"]["image_size"]
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+    )
+    text = {
+        "vocab_size": len(tokenizer),  # CLIP-H's own where the spec gives it
+        **spec["text"],
+        "max_position_embeddings": 77,
+        "hidden_act": "gelu",
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    vision = dict(spec["vision"], hidden_act="gelu")
+    config = CLIPConfig(text_config=text, vision_config=vision, projection_dim=spec["projection_dim"])
+    with _building_on(device, torch.float32):
+        model = CLIPModel(config)
+    return model, CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer)
+
+
+class TextDrawn:
+    """The OCR reward on each image with its prompt's quoted text drawn in, so that the engine has
+    text to find and read, as on a trained model's images. Part of the target is drawn (how much
+    varies with the image), so the scores vary within a group, as a reward's must for GRPO."""
+
+    def __init__(self, reward: Any) -> None:
+        self.reward = reward
+
+    def __call__(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+        from PIL import ImageDraw, ImageFont
+
+        from lit_flowgrpo.rewards.images import to_pil
+        from lit_flowgrpo.rewards.ocr import quoted_text
+
+        size = images.shape[-1]
+        font = ImageFont.load_default(size=max(size // 10, 8))
+        drawn = []
+        for image, prompt in zip(to_pil(images), prompts, strict=True):
+            target = quoted_text(prompt) or ""
+            shown = target[: 1 + zlib.crc32(image.tobytes()) % max(len(target), 1)]
+            ImageDraw.Draw(image).text((size // 10, size // 3), shown, fill=(255, 255, 255), font=font)
+            drawn.append(torch.from_numpy(np.array(image)).permute(2, 0, 1))
+        return self.reward(torch.stack(drawn).float() / 255, prompts, metadata)
+
+
+def judge_server(latency_ms: float) -> Any:
+    """An OpenAI-compatible chat endpoint on 127.0.0.1 that answers each request after ``latency_ms``
+    with ``Final Score: s``, s in 1..5 from the request's bytes (each image its own score)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Judge(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # the reward's start-up check reads /models
+            self._send(b'{"data": []}')
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            time.sleep(latency_ms / 1000)
+            text = f"Final Score: {1 + zlib.crc32(body) % 5}"
+            self._send(json.dumps({"choices": [{"message": {"content": text}}]}).encode())
+
+        def _send(self, payload: bytes) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Judge)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    return server
+
+
+#: Prompts per reward: the OCR reward reads the text between double quotes.
+PROMPTS = {"ocr": 'a shop sign that says "open {i} days"'}
+
+
+@contextmanager
+def reward_parts(args: argparse.Namespace) -> Iterator[tuple[dict[str, float], dict[str, Any]]]:
+    """``(weights, rewards)`` of ``--reward`` for :class:`MultiReward`, built once for every variant
+    (a remote reward's server runs while they do)."""
+    kind = args.reward
+    if kind == "brightness":
+        yield {"brightness": 1.0}, {"brightness": brightness}
+    elif kind == "pickscore_sized":
+        from lit_flowgrpo.rewards.pickscore import PickScoreReward
+
+        model, processor = clip_sized(CLIP_SPECS["tiny" if args.tiny else "full"], torch.device(args.device))
+        yield {"pickscore": 1.0}, {"pickscore": PickScoreReward.from_modules(model, processor)}
+    elif kind == "ocr":
+        from lit_flowgrpo.errors import SettingsError
+        from lit_flowgrpo.rewards.ocr import OCRReward
+
+        reward = OCRReward()
+        try:
+            reward.check()  # builds the engine: fails here, in one line, where rapidocr is absent
+        except SettingsError as err:
+            raise SystemExit(f"--reward ocr runs the real OCR engine on the CPU: {err}") from err
+        yield {"ocr": 1.0}, {"ocr": TextDrawn(reward)}
+    else:
+        from lit_flowgrpo.rewards.vlm_judge import VLMJudgeReward
+
+        server = judge_server(float(kind.split(":", 1)[1]))
+        try:
+            url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+            # Tiny images go as they are: resizing them to 512 px would measure PNG encoding alone.
+            judge = VLMJudgeReward(base_url=url, model="benchmark", resize=None if args.tiny else 512)
+            judge.check()
+            yield {"vlm_judge": 1.0}, {"vlm_judge": judge}
+        finally:
+            server.shutdown()
+            server.server_close()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -384,6 +565,7 @@ class Variant:
     rollout_batch_size: int | None = None
     fast: bool = False
     micro_batch: int | None = None  # None: --micro-batch
+    reward_overlap: bool = True  # score each rollout chunk beside the next one's sampling
 
 
 #: The full step's objective (``--objective``), each with its recipe's settings and no KL term: the
@@ -552,6 +734,11 @@ def summarise(rows: dict[int, dict[str, float]], warmup: int, steps: int) -> dic
             for stage in ("gen", "reward", "adv", "update_actor", "step")
         },
     }
+    # The reward: the step's wait for it after the rollout (its stage), and its own compute time.
+    shares = [r["timing_s/reward"] / r["timing_s/step"] for r in measured if r.get("timing_s/step")]
+    out["reward_share"] = statistics.median(shares) if shares else None
+    out["reward_exposed_s"] = _median(measured, "reward/exposed_s")
+    out["reward_compute_s"] = _median(measured, "reward/latency_s")
     ratio_errs = [
         r["actor/on_policy_ratio_err"] for r in ordered[: warmup + steps] if "actor/on_policy_ratio_err" in r
     ]
@@ -584,6 +771,7 @@ def run_training(
     args: argparse.Namespace,
     prompt_file: str,
     monitor_state: dict[str, Any] | None,
+    rewards: tuple[dict[str, float], dict[str, Any]],
     count_syncs: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``warmup + steps`` full training steps (rollout, reward, advantages, update) under a Trainer."""
@@ -619,9 +807,10 @@ def run_training(
             batch_size=variant.rollout_batch_size,
         )
         objective, train_cfg = OBJECTIVES[args.objective](), not nft
+    weights, built = rewards
     module = FlowGRPOModule(
         policy=POLICIES[spec["family"]](spec, args.device, args.dtype),
-        reward=brightness,
+        reward=MultiReward(weights, rewards=built, overlap=variant.reward_overlap),
         objective=objective,
         sampler=sampler,
         update=UpdateSettings(
@@ -662,12 +851,17 @@ def run_training(
         trainer.fit(module, datamodule=data)
         wall = time.perf_counter() - start
     result = summarise(logger.rows, args.warmup, args.steps)
+    if result["reward_compute_s"] is not None:
+        result["reward_compute_ms_per_image"] = (
+            1000 * result["reward_compute_s"] / (args.prompts * args.group)
+        )
     result.update(
         name=variant.name,
         what=variant.what,
         performance=dataclasses.asdict(variant.performance),
         rollout_batch_size=variant.rollout_batch_size,
         micro_batch=variant.micro_batch or args.micro_batch,
+        reward_overlap=variant.reward_overlap,
         wall_s=wall,
         flops_per_image_forward=monitor.flops_per_forward,
     )
@@ -756,6 +950,11 @@ def table(result: dict[str, Any]) -> str:
     first = result["variants"][0]["name"] if result["variants"] else "first"
     lines = [f"### {result['config']} on {result['device_name']} (1 GPU), {result['resolution']} px", ""]
     rollout = result["mode"] == "rollout"
+    reward = result.get("setup", {}).get("reward", "brightness")
+    # A reward of real cost: the step's wait for it after the rollout, and its own time (ms per image).
+    costly = not rollout and reward != "brightness"
+    if costly:
+        lines[0] += f", reward {reward}"
     if rollout:
         lines += [
             f"| variant | images/GPU/s (rollout only) | × {first} | rollout ms/image | MFU | peak GiB |",
@@ -764,8 +963,8 @@ def table(result: dict[str, Any]) -> str:
     else:
         lines += [
             f"| variant | images/GPU/s | × {first} | × previous | rollout ms/image | update ms/image "
-            "| MFU rollout / update | max mean\\|ratio−1\\| | peak GiB |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| MFU rollout / update | max mean\\|ratio−1\\| | peak GiB |" + (_REWARD_HEAD if costly else ""),
+            "|---|---|---|---|---|---|---|---|---|" + ("---|" * 3 if costly else ""),
         ]
     previous = None
     for v in result["variants"]:
@@ -786,10 +985,19 @@ def table(result: dict[str, Any]) -> str:
             f"| {v['name']} | {_fmt(ips)} | {over_base} | {step} | {_fmt(ms['gen'], 1)} | "
             f"{_fmt(ms['update_actor'], 1)} | {_pct(v['mfu_infer'])} / {_pct(v['mfu_actor'])} | "
             f"{_fmt(v['onpolicy_ratio_abs_dev'], 2)} | {_fmt(v['peak_memory_gb'], 1)} |"
+            + (_reward_cells(v) if costly else "")
         )
         if not v.get("fast"):
             previous = ips
     return "\n".join(lines)
+
+
+_REWARD_HEAD = " reward waited ms/image | reward computed ms/image | reward share of step |"
+
+
+def _reward_cells(v: dict[str, Any]) -> str:
+    waited, computed = v["ms_per_image"].get("reward"), v.get("reward_compute_ms_per_image")
+    return f" {_fmt(waited, 1)} | {_fmt(computed, 1)} | {_pct(v.get('reward_share'))} |"
 
 
 def _ratio(x: float, ref: float | None) -> str:
@@ -816,6 +1024,11 @@ def write_readme(out: Path) -> None:
         "Rollout-only runs (FLUX.1-dev, Qwen-Image sized): 4 images of 10 steps, the family's LoRA (r64).",
         "MFU is against 989.4 TFLOP/s dense bf16; `max mean|ratio−1|` is `actor/on_policy_ratio_err`, the",
         "largest over the run's rollouts (each read before that rollout's first optimizer step).",
+        "A section that names a reward (`--reward`) scores with it instead of brightness: `reward waited` is",
+        "the step's wait for the reward once the rollout was done (`timing_per_image_ms/reward`), `reward",
+        "computed` the reward's own time (`reward/latency_s`), both per image, and the share is",
+        "`timing_s/reward / timing_s/step`; a name ending `_overlap_on` scored each rollout chunk beside the",
+        "sampling of the next, `_overlap_off` after the rollout.",
         "",
     ]
     for path in sorted(out.glob("*.json")):
@@ -847,6 +1060,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--objective", choices=sorted(OBJECTIVES), default="flow_grpo", help="the full step's objective"
     )
     p.add_argument(
+        "--reward",
+        default="brightness",
+        help="brightness (free), pickscore_sized, ocr (RapidOCR on the CPU), or remote:<latency_ms>",
+    )
+    p.add_argument(
+        "--reward-overlap",
+        choices=("on", "off", "both"),
+        default="on",
+        help="score each rollout chunk beside the next one's sampling, after the rollout, or each variant both ways",
+    )
+    p.add_argument(
         "--warmup", type=int, default=2, help="rollouts before measuring (compilation happens here)"
     )
     p.add_argument("--steps", type=int, default=3, help="measured rollouts (the median is reported)")
@@ -865,6 +1089,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
+    kind, _, latency = args.reward.partition(":")
+    if args.reward not in ("brightness", "pickscore_sized", "ocr") and not (
+        kind == "remote" and latency.replace(".", "", 1).isdigit()
+    ):
+        p.error(f"--reward {args.reward!r}: choose brightness, pickscore_sized, ocr or remote:<latency_ms>")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.tiny:
@@ -881,6 +1110,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     config = f"{args.model}{'_tiny' if args.tiny else ''}_{args.resolution}px"
     if args.objective != "flow_grpo":
         config += f"_{args.objective}"
+    if args.reward != "brightness":
+        config += (
+            "_reward_" + args.reward.replace(":", "").replace(".", "_") + ("ms" if ":" in args.reward else "")
+        )
     chosen = variants(args.micro_batch)
     if args.variants:
         names = args.variants.split(",")
@@ -888,6 +1121,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if unknown:
             raise SystemExit(f"--variants: unknown {sorted(unknown)}; choose from {[v.name for v in chosen]}")
         chosen = [next(v for v in chosen if v.name == name) for name in names]  # in the order given
+    if args.reward_overlap == "both":
+        chosen = [
+            dataclasses.replace(v, name=f"{v.name}_overlap_{state}", reward_overlap=state == "on")
+            for v in chosen
+            for state in ("off", "on")
+        ]
+    else:
+        chosen = [dataclasses.replace(v, reward_overlap=args.reward_overlap == "on") for v in chosen]
     if device.type == "cpu":
         # inductor on the CPU needs a compiler toolchain and minutes: the smoke run traces with
         # aot_eager; cuDNN attention is CUDA-only
@@ -920,6 +1161,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "steps",
                 "dtype",
                 "objective",
+                "reward",
+                "reward_overlap",
             )
         },
         "torch": torch.__version__,
@@ -943,15 +1186,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             except Exception as err:
                 record(_failed(v, err))
     else:
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, reward_parts(args) as rewards:
             prompt_file = os.path.join(tmp, "prompts.txt")
-            Path(prompt_file).write_text("\n".join(f"prompt number {i}" for i in range(64)) + "\n")
+            prompt = PROMPTS.get(args.reward, "prompt number {i}")
+            Path(prompt_file).write_text("\n".join(prompt.format(i=i) for i in range(64)) + "\n")
             state = None
             for i, v in enumerate(chosen):
                 _adapt_to_this_run(v, summary["variants"])
                 last = i == len(chosen) - 1
                 try:
-                    result, state = run_training(spec, v, args, prompt_file, state, args.count_syncs and last)
+                    result, state = run_training(
+                        spec, v, args, prompt_file, state, rewards, args.count_syncs and last
+                    )
                 except Exception as err:  # a lever that fails here is reported, the others still run
                     result = _failed(v, err)
                 record(result)
@@ -964,7 +1210,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     what=f"Flow-GRPO-Fast (CPS, window 3, no CFG) with {best['name']}'s settings",
                     fast=True,
                 )
-                result, _ = run_training(spec, fast, args, prompt_file, state)
+                result, _ = run_training(spec, fast, args, prompt_file, state, rewards)
                 result["fast"] = True
                 record(result)
     print(table(summary), flush=True)

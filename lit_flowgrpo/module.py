@@ -41,6 +41,7 @@ from lit_flowgrpo.objective import FlowGRPO, Objective, VisitContext
 from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies.base import FlowPolicy
 from lit_flowgrpo.rewards.base import MultiReward, RewardOutput, as_reward
+from lit_flowgrpo.rewards.overlap import RewardQueue
 from lit_flowgrpo.rollout import RolloutBatch, Sampler, cfg_forwards
 from lit_flowgrpo.step_output import STAGES, StepOutput, ValidationOutput
 from lit_flowgrpo.strategies import strategy_problems
@@ -229,18 +230,24 @@ class FlowGRPOModule(L.LightningModule):
         timings = dict.fromkeys(STAGES, 0.0)
         start = t = self._clock()
         embeds = self.policy.encode_prompts(batch.prompts)
-        # The objective's sampling policy (DiffusionNFT's old policy; else the trained weights).
-        with self.weights.sampling(self.policy), self.performance.sampling_weights(self.policy.transformer):
-            traj, images = self.sampler.rollout(
-                self.policy,
-                embeds,
-                batch.seeds,
-                step=batch.step,
-                seed=self.seed,
-                record=self.objective.rollout_records(self.diagnostics),
-            )
-        timings["gen"], t = self._clock() - t, self._clock()
-        rewards = self._score(images, batch)
+        # Each chunk is scored as it is decoded (the reward's `overlap`): "reward" is the wait after it.
+        with RewardQueue(self.reward, batch.prompts, batch.metadata) as scores:
+            # The objective's sampling policy (DiffusionNFT's old policy; else the trained weights).
+            with (
+                self.weights.sampling(self.policy),
+                self.performance.sampling_weights(self.policy.transformer),
+            ):
+                traj, images = self.sampler.rollout(
+                    self.policy,
+                    embeds,
+                    batch.seeds,
+                    step=batch.step,
+                    seed=self.seed,
+                    record=self.objective.rollout_records(self.diagnostics),
+                    on_chunk=scores.submit,
+                )
+            timings["gen"], t = self._clock() - t, self._clock()
+            rewards = scores.result(images)
         timings["reward"], t = self._clock() - t, self._clock()
         advantages, keep = self._advantages(rewards, batch)
         rollout = RolloutBatch(traj, embeds, advantages, batch.sample_ids.to(self.device), keep)
@@ -278,9 +285,6 @@ class FlowGRPOModule(L.LightningModule):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
-
-    def _score(self, images: Tensor, batch: PromptBatch) -> RewardOutput:
-        return self.reward(images, list(batch.prompts), list(batch.metadata))
 
     def _advantages(self, rewards: RewardOutput, batch: PromptBatch) -> tuple[Tensor, Tensor]:
         """Group advantages from every rank's rewards; returns this rank's (advantages, keep mask)."""
@@ -387,7 +391,7 @@ class FlowGRPOModule(L.LightningModule):
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> ValidationOutput:
         with self.performance.sampling_weights(self.policy.transformer):
             images = self.sampler.evaluate(self.policy, list(batch.prompts), batch.seeds)
-        rewards = self._score(images, batch)
+        rewards = self.reward(images, list(batch.prompts), list(batch.metadata))
         for name, values in rewards.components.items():
             key = name.replace("/", "__")
             if key not in self.val_means:

@@ -11,7 +11,7 @@ transition: the update cannot score under different settings than the rollout sa
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, fields
 from typing import ClassVar, Literal
 
@@ -138,6 +138,7 @@ class Sampler:
         step: int,
         seed: int,
         record: Collection[Record] = ("transitions",),
+        on_chunk: Callable[[slice, Tensor], None] | None = None,
     ) -> tuple[Trajectory, Tensor]:
         """Sample the training batch, recording its trained steps; returns (trajectory, images).
 
@@ -150,6 +151,8 @@ class Sampler:
             record: what to record of the trained steps (the objective's
                 :attr:`~lit_flowgrpo.objective.Objective.records`): ``"transitions"`` (x, x_next,
                 log-prob, std, √dt) and ``"means"`` (μ_old); the final latent is always kept.
+            on_chunk: called with (rows, images) right after each chunk of ``batch_size`` samples is
+                decoded, before the next one samples (the reward scores it meanwhile).
         """
         sde_steps, train_steps = self.plan(step, seed)
         transformer = policy.transformer
@@ -176,6 +179,8 @@ class Sampler:
                 )
                 images.append(policy.decode(traj.final))
                 parts.append(traj)
+                if on_chunk is not None:
+                    on_chunk(rows, images[-1])
         finally:
             transformer.train(was_training)
         return Trajectory.cat(parts), torch.cat(images)

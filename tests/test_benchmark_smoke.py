@@ -23,18 +23,9 @@ REQUIRED = (
 )
 
 
-@pytest.fixture(scope="module")
-def throughput():
-    spec = importlib.util.spec_from_file_location("throughput_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
-
-
-def test_tiny_run_writes_the_results_and_table(throughput, tmp_path):
-    args = ["--tiny", "--variants", "eager,bf16_compute", "--warmup", "0", "--steps", "1", "--num-steps", "2"]
+def tiny_args(tmp_path: Path, variants: str, *extra: str) -> list[str]:
+    """One measured rollout of 2 steps of ``variants`` on the CPU, 2 images a prompt, results in ``tmp_path``."""
+    args = ["--tiny", "--variants", variants, "--warmup", "0", "--steps", "1", "--num-steps", "2"]
     args += [
         "--prompts",
         "1",
@@ -47,7 +38,21 @@ def test_tiny_run_writes_the_results_and_table(throughput, tmp_path):
         "--out",
         str(tmp_path),
     ]
-    summary = throughput.main(args)
+    return [*args, *extra]
+
+
+@pytest.fixture(scope="module")
+def throughput():
+    spec = importlib.util.spec_from_file_location("throughput_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def test_tiny_run_writes_the_results_and_table(throughput, tmp_path):
+    summary = throughput.main(tiny_args(tmp_path, "eager,bf16_compute"))
 
     path = tmp_path / "cpu_sd35m_tiny_32px.json"
     saved = json.loads(path.read_text())
@@ -85,21 +90,53 @@ def test_unknown_variant_names_the_choices(throughput, tmp_path):
 
 @pytest.mark.parametrize("objective", ["flow_dppo", "diffusion_nft"])
 def test_the_full_step_runs_with_each_objective(throughput, tmp_path, objective):
-    args = ["--tiny", "--variants", "eager", "--warmup", "0", "--steps", "1", "--num-steps", "2", "--no-fast"]
-    args += [
-        "--prompts",
-        "1",
-        "--group",
-        "2",
-        "--micro-batch",
-        "2",
-        "--device",
-        "cpu",
-        "--out",
-        str(tmp_path),
-    ]
-    summary = throughput.main([*args, "--objective", objective])
+    summary = throughput.main(tiny_args(tmp_path, "eager", "--no-fast", "--objective", objective))
     saved = json.loads((tmp_path / f"cpu_sd35m_tiny_32px_{objective}.json").read_text())
     assert saved == json.loads(json.dumps(summary)) and saved["setup"]["objective"] == objective
     (run,) = saved["variants"]
     assert run["images_per_gpu_s"] > 0 and run["ms_per_image"]["update_actor"] > 0
+
+
+def test_a_remote_reward_scored_after_and_beside_the_rollout(throughput, tmp_path):
+    # Rollout chunks of 2 images (the variant's batch = --micro-batch): 4 images are 2 chunks.
+    args = tiny_args(tmp_path, "rollout_batch", "--no-fast", "--group", "4", "--reward", "remote:20")
+    summary = throughput.main([*args, "--reward-overlap", "both"])
+    saved = json.loads((tmp_path / "cpu_sd35m_tiny_32px_reward_remote20ms.json").read_text())
+    assert saved == json.loads(json.dumps(summary))
+    assert (saved["setup"]["reward"], saved["setup"]["reward_overlap"]) == ("remote:20", "both")
+    off, on = saved["variants"]
+    assert (off["name"], off["reward_overlap"], on["name"], on["reward_overlap"]) == (
+        "rollout_batch_overlap_off",
+        False,
+        "rollout_batch_overlap_on",
+        True,
+    )
+    for run in (off, on):
+        # the VLM-judge client's time, and the step's wait for it (a part of the step)
+        assert run["reward_compute_s"] > 0 and run["reward_compute_ms_per_image"] > 0
+        assert run["reward_exposed_s"] > 0 and 0 < run["reward_share"] < 1
+    table = (tmp_path / "README.md").read_text()
+    assert "reward remote:20" in table and "reward waited ms/image" in table
+    assert "| rollout_batch_overlap_on |" in table
+
+
+def test_pickscore_sized_runs_the_real_reward_on_a_tiny_clip(throughput, tmp_path):
+    throughput.main(tiny_args(tmp_path, "eager", "--no-fast", "--reward", "pickscore_sized"))
+    saved = json.loads((tmp_path / "cpu_sd35m_tiny_32px_reward_pickscore_sized.json").read_text())
+    (run,) = saved["variants"]
+    assert run["reward_overlap"] and run["images_per_gpu_s"] > 0 and run["reward_compute_s"] > 0
+
+
+def test_ocr_reads_the_drawn_text_with_rapidocr(throughput, tmp_path):
+    pytest.importorskip("rapidocr")
+    throughput.main(tiny_args(tmp_path, "eager", "--no-fast", "--reward", "ocr"))
+    (run,) = json.loads((tmp_path / "cpu_sd35m_tiny_32px_reward_ocr.json").read_text())["variants"]
+    assert run["images_per_gpu_s"] > 0 and run["reward_compute_s"] > 0
+
+
+def test_reward_choices_and_a_missing_ocr_engine_fail_in_one_line(throughput, tmp_path, monkeypatch):
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--reward", "remote:soon"])
+    monkeypatch.setitem(sys.modules, "rapidocr", None)  # as where the OCR extra is not installed
+    with pytest.raises(SystemExit, match=r"--reward ocr .*pip install 'lit-flowgrpo\[ocr\]'"):
+        throughput.main(tiny_args(tmp_path, "eager", "--no-fast", "--reward", "ocr"))

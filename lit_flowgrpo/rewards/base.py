@@ -4,6 +4,13 @@ A reward is any callable ``(images (B,3,H,W) in [0,1], prompts, metadata) -> Ten
 dict of named (B,) components. A sample the reward could not score is NaN in every component: it
 is never turned into a number here, and the module drops it from the advantage computation.
 
+A reward is a per-sample function: a sample's value depends on its own image, prompt and metadata,
+never on the other samples of the call (up to the rounding of a neural scorer's kernels, which may
+differ with the batch size). The training step relies on it: it scores the rollout chunk by chunk,
+as the sampler decodes each (:mod:`lit_flowgrpo.rewards.overlap`), and a chunk's values must be those
+the whole batch would get. A reward that raises stops the step, whichever thread ran it; the way to
+give up on one sample is NaN.
+
 Optional attributes a reward may carry:
 
 - ``primary``: for a dict-valued reward, the component that a bare weight applies to;
@@ -14,7 +21,12 @@ Optional attributes a reward may carry:
 - ``required_metadata``: metadata keys every sample must carry (checked before the first rollout);
 - ``check()``: a start-up check (a remote endpoint answers), called once before the first rollout;
 - ``problems(records) -> list[str]``: what is wrong with the prompt records (train and val) for this
-  reward, one message per bad record naming its index; called at setup, before any rollout.
+  reward, one message per bad record naming its index; called at setup, before any rollout;
+- ``thread_safe``: ``False`` when the reward must run on the thread that calls :class:`MultiReward`
+  (the training loop's), e.g. because it keeps thread-local state or shares non-reentrant state with
+  the policy. It then never runs in a worker thread: neither beside the other rewards nor beside the
+  sampler; the training step scores it on the whole batch once the rollout is done. Without the
+  attribute a reward may be called from a worker thread (never from two threads at once).
 
 :func:`as_reward` turns any reward spec into a :class:`MultiReward`, which checks every output's
 shape where it is produced and returns a :class:`RewardOutput`.
@@ -22,12 +34,14 @@ shape where it is produced and returns a :class:`RewardOutput`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -102,9 +116,12 @@ class RewardOutput:
     components: dict[str, Tensor] = field(default_factory=dict)
     """(B,) fp32 per component, keyed ``name`` or ``name/component``; NaN where it failed."""
     latency_s: dict[str, float] = field(default_factory=dict)
-    """Wall time each reward took for this batch."""
+    """Wall time each reward took for this batch (scored in chunks: the sum over its chunks)."""
     failures: dict[str, int] = field(default_factory=dict)
     """Samples each reward could not score (non-finite in any of its components) in this batch."""
+    exposed_s: float | None = None
+    """Seconds the training step waited for this output once the rollout was done: the part of the
+    rewards' time that sampling did not hide. ``None`` when not scored by a training step."""
 
     @property
     def valid(self) -> Tensor:
@@ -123,8 +140,8 @@ class RewardOutput:
 
         ``critic/rewards/<component>/mean`` (NaN-skipping mean), ``reward/failure_rate`` (fraction of
         samples dropped: non-finite total), ``reward/failure_rate/<name>`` (fraction each reward
-        failed), ``reward/latency_s`` (slowest reward; they run concurrently) and
-        ``reward/latency_s/<name>``.
+        failed), ``reward/latency_s`` (slowest reward; they run concurrently),
+        ``reward/latency_s/<name>`` and, from a training step, ``reward/exposed_s``.
         """
         batch = max(int(self.total.numel()), 1)
         out: dict[str, float] = {}
@@ -138,7 +155,22 @@ class RewardOutput:
             out["reward/latency_s"] = max(self.latency_s.values())
         for name, seconds in self.latency_s.items():
             out[f"reward/latency_s/{name}"] = seconds
+        if self.exposed_s is not None:
+            out["reward/exposed_s"] = self.exposed_s
         return out
+
+
+class Scored(NamedTuple):
+    """One reward's checked output on one batch, and the wall time it took."""
+
+    components: dict[str, Tensor]
+    """(B,) fp32 CPU per component, keyed as in :attr:`RewardOutput.components`."""
+    seconds: float
+
+
+def thread_safe(reward: Any) -> bool:
+    """Whether ``reward`` may run in a worker thread (its ``thread_safe`` attribute; default yes)."""
+    return bool(getattr(reward, "thread_safe", True))
 
 
 class MultiReward:
@@ -156,6 +188,11 @@ class MultiReward:
         rewards: already-built rewards by name (Python use); they take precedence over the registry.
         max_workers: rewards are evaluated concurrently in this many threads (remote rewards spend
             their time waiting); 1 evaluates them in order.
+        overlap: the training step scores each rollout chunk (``--model.init_args.sampler.batch_size``
+            samples) in a background thread as soon as it is decoded, while the next chunk samples;
+            the step then waits only for what is left (``reward/exposed_s``). The values are those of
+            one call on the whole batch (rewards are per-sample). ``False`` scores the whole batch
+            after the rollout. A reward with ``thread_safe = False`` is scored that way either way.
     """
 
     def __init__(
@@ -164,6 +201,7 @@ class MultiReward:
         config: dict[str, dict[str, Any]] | None = None,
         rewards: dict[str, Reward] | None = None,
         max_workers: int = 4,
+        overlap: bool = True,
     ) -> None:
         if not weights:
             raise SettingsError(
@@ -179,6 +217,7 @@ class MultiReward:
             )
         self.weights = dict(weights)
         self.max_workers = max_workers
+        self.overlap = overlap
         built = dict(rewards or {})
         config = dict(config or {})
         unknown = sorted({k.split("/", 1)[0] for k in self.weights} - set(built) - set(available_rewards()))
@@ -276,13 +315,32 @@ class MultiReward:
                     )
 
     def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> RewardOutput:
+        return self.combine(self.score(images, prompts, metadata), images.shape[0])
+
+    def score(
+        self,
+        images: Tensor,
+        prompts: Sequence[str],
+        metadata: Sequence[dict],
+        names: Collection[str] | None = None,
+    ) -> dict[str, Scored]:
+        """Run the rewards ``names`` (default: all) on one batch; ``{name: Scored}`` in reward order.
+
+        Each output is checked where it is produced. Thread-safe rewards run concurrently in up to
+        ``max_workers`` threads, the others in the calling thread. An exception a reward raises
+        propagates, with a note naming the reward.
+        """
         batch = images.shape[0]
         prompts, metadata = list(prompts), list(metadata)
+        chosen = [(n, r) for n, r in self.rewards.items() if names is None or n in names]
 
-        def run(item: tuple[str, Reward]) -> tuple[str, dict[str, Tensor], float]:
-            name, reward = item
+        def run(name: str, reward: Reward) -> Scored:
             start = time.perf_counter()
-            value = reward(images, prompts, metadata)
+            try:
+                value = reward(images, prompts, metadata)
+            except Exception as err:
+                note(err, f"raised by reward {name!r} ({_qualname(reward)})")
+                raise
             seconds = time.perf_counter() - start
             components = self._components(name, reward, value, batch)
             missing = [key for key in _declared_core(name, reward) if self._key(name, key) not in components]
@@ -291,19 +349,24 @@ class MultiReward:
                     f"reward {name!r} ({_qualname(reward)}) declares core_components {missing} but returned "
                     f"{sorted(components)}: declare components it returns (None for a Tensor-valued reward)"
                 )
-            return name, components, seconds
+            return Scored(components, seconds)
 
-        items = list(self.rewards.items())
-        if self.max_workers > 1 and len(items) > 1:
-            with ThreadPoolExecutor(max_workers=min(self.max_workers, len(items))) as pool:
-                results = list(pool.map(run, items))
-        else:
-            results = [run(item) for item in items]
+        pooled = [(n, r) for n, r in chosen if thread_safe(r)] if self.max_workers > 1 else []
+        if len(pooled) < 2:
+            pooled = []
+        workers = min(self.max_workers, len(pooled))
+        with ThreadPoolExecutor(max_workers=workers) if pooled else contextlib.nullcontext() as pool:
+            futures = {n: pool.submit(run, n, r) for n, r in pooled}
+            done = {n: run(n, r) for n, r in chosen if n not in futures}
+            done.update({n: future.result() for n, future in futures.items()})
+        return {n: done[n] for n, _ in chosen}
 
+    def combine(self, scored: Mapping[str, Scored], batch: int) -> RewardOutput:
+        """One :class:`RewardOutput` of every reward's :class:`Scored` on a batch of ``batch`` samples."""
         components: dict[str, Tensor] = {}
         latency: dict[str, float] = {}
         failures: dict[str, int] = {}
-        for name, comps, seconds in results:
+        for name, (comps, seconds) in scored.items():
             components.update(comps)
             latency[name] = seconds
             failed = torch.zeros(batch, dtype=torch.bool)
@@ -350,12 +413,14 @@ class CallableReward(MultiReward):
 
     Args:
         reward: ``(images, prompts, metadata) -> Tensor (B,) | {component: Tensor (B,)}``.
+        overlap: as :class:`MultiReward`'s.
     """
 
-    def __init__(self, reward: Reward) -> None:
+    def __init__(self, reward: Reward, overlap: bool = True) -> None:
         # MultiReward's constructor resolves names through the registry; a callable needs none of it.
         self.weights = {"reward": 1.0}
         self.max_workers = 1
+        self.overlap = overlap
         self.rewards = {"reward": reward}
 
     def _components(self, name: str, reward: Reward, value: Any, batch: int) -> dict[str, Tensor]:
@@ -442,6 +507,14 @@ def _declared_core(name: str, reward: Any) -> tuple[str | None, ...]:
             "component names, e.g. ('strict',), or (None,) for a Tensor-valued reward"
         )
     return tuple(declared)
+
+
+def note(err: BaseException, text: str) -> None:
+    """Add ``text`` to what ``err``'s traceback prints (``add_note``; on Python 3.10, a warning)."""
+    if hasattr(err, "add_note"):
+        err.add_note(text)
+    else:
+        warnings.warn(f"{type(err).__name__}: {err} ({text})", RuntimeWarning, stacklevel=3)
 
 
 def _qualname(reward: Any) -> str:

@@ -6,6 +6,8 @@ maps typical values to about [0, 1]); the unscaled ``logit`` is reported as a co
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -49,6 +51,19 @@ class PickScoreReward:
         self.dtype = dtype
         self.model: torch.nn.Module | None = None
         self.processor = None
+
+    @classmethod
+    def from_modules(
+        cls, model: torch.nn.Module, processor: Any, device: str | None = None, dtype: DType = "float32"
+    ) -> PickScoreReward:
+        """PickScore on a CLIP model and processor already built (Python use: weights loaded some other
+        way, or a model of PickScore's shape with random weights to measure its cost)."""
+        reward = cls(
+            model=type(model).__name__, processor=type(processor).__name__, device=device, dtype=dtype
+        )
+        reward.model = model.eval().requires_grad_(False)
+        reward.processor = processor
+        return reward
 
     def load(self) -> None:
         """Read the weights (``from_pretrained``); called on first use."""

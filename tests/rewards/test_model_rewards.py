@@ -10,6 +10,7 @@ from transformers import CLIPModel, CLIPProcessor
 
 from lit_flowgrpo.rewards import build_reward
 from lit_flowgrpo.rewards.images import to_pil
+from lit_flowgrpo.rewards.pickscore import PickScoreReward
 
 PROMPTS = ["a red cube", "two cats on a bench", "a blue sky", "hello"]
 
@@ -49,6 +50,10 @@ def test_pickscore(tiny_clip_dir, reference, images: torch.Tensor) -> None:
     torch.testing.assert_close(out["logit"], logits, atol=bound, rtol=EPS)
     torch.testing.assert_close(out["score"], logits / 26, atol=bound / 26, rtol=2 * EPS)
     assert reward.primary == "score"
+    # Built from the same modules instead of from_pretrained: the same computation.
+    built = PickScoreReward.from_modules(*reference)
+    again = built(images, PROMPTS, [{}] * 4)
+    assert torch.equal(again["logit"], out["logit"]) and built.model is reference[0]
 
 
 def test_clip_score_uses_torchmetrics_formula(

@@ -1,0 +1,194 @@
+"""Scoring a rollout while it is sampled: each chunk is scored as soon as it is decoded.
+
+The rollout samples its batch in chunks of ``--model.init_args.sampler.batch_size`` samples and
+decodes each. :class:`RewardQueue` hands every decoded chunk to one worker thread, which runs the
+reward on it while the sampler draws the next chunk; a remote reward's requests are in flight
+meanwhile. Once the rollout is done the step waits only for what is left: the last chunk's reward,
+and the rewards that must run on the training loop's thread (``thread_safe = False``), scored then
+on the whole batch. With one chunk (``batch_size`` null or the whole batch) nothing can overlap.
+
+The output is that of one :class:`~lit_flowgrpo.rewards.base.MultiReward` call on the whole batch:
+rewards are per-sample functions (the contract in :mod:`lit_flowgrpo.rewards.base`), so each chunk's
+values are the batch's values of its samples; they are joined in sample order, failures are counted
+on the joined components, and a reward's latency is the sum over its chunks. A remote reward sees one
+call per chunk: its ``max_consecutive_failures`` counts chunks.
+
+Failure policy, the same as scoring after the rollout: a sample a reward cannot score is NaN, counted
+in ``reward/failure_rate``; a reward that *raises* stops the step. Its exception (a
+:class:`~lit_flowgrpo.rewards.remote.RemoteRewardError`, a wrong output shape, a bug) is raised again
+in the training step, at the next chunk or in :meth:`RewardQueue.result`, with notes naming the reward
+and the samples; the chunks not yet begun are dropped. Whatever leaves the step (that exception, one
+from the sampler, a ``KeyboardInterrupt``), the queue's ``with`` block drops the chunks not begun and
+waits for the one being scored (bounded by that reward's own timeouts), so no worker thread outlives
+the step. SIGTERM needs nothing more: Lightning stops only between steps, when the queue is done.
+
+On CUDA the worker runs on its own stream, which first waits for an event recorded on the sampler's
+stream right after the chunk's decode: a GPU reward reads finished images and never races the
+sampler. The queue holds each chunk's images until its scoring has finished on that stream. The
+worker scores without autograd, under the caller's autocast (autocast is per thread), so a trainer's
+mixed precision applies to both ways alike. Validation scores its samples after sampling them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import Tensor
+
+from lit_flowgrpo.rewards.base import MultiReward, RewardOutput, Scored, note, thread_safe
+
+__all__ = ["THREAD_NAME", "RewardQueue"]
+
+#: Name prefix of the worker thread (one per training step).
+THREAD_NAME = "reward-overlap"
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+_side_streams_lock = threading.Lock()
+
+
+class RewardQueue:
+    """Scores a rollout chunk by chunk in a worker thread, and returns one output for the batch.
+
+    Use it as a context manager around the rollout, with :meth:`submit` as the rollout's ``on_chunk``::
+
+        with RewardQueue(reward, prompts, metadata) as scores:
+            trajectory, images = sampler.rollout(..., on_chunk=scores.submit)
+            rewards = scores.result(images)
+
+    Args:
+        reward: the rewards; its ``overlap`` setting says whether chunks are scored during the rollout.
+        prompts: the whole batch's, one per sample.
+        metadata: the whole batch's, one per sample.
+    """
+
+    def __init__(self, reward: MultiReward, prompts: Sequence[str], metadata: Sequence[dict]) -> None:
+        self.reward = reward
+        self.prompts, self.metadata = list(prompts), list(metadata)
+        overlap = bool(getattr(reward, "overlap", False))
+        #: The rewards scored chunk by chunk in the worker; the others wait for :meth:`result`.
+        self.overlapped = [n for n, r in reward.rewards.items() if overlap and thread_safe(r)]
+        self._pool: ThreadPoolExecutor | None = None
+        self._chunks: list[tuple[slice, Tensor, Future[dict[str, Scored]]]] = []
+        # Autocast is per thread: the worker scores under the caller's (a trainer's mixed precision),
+        # as the rewards scored here after the rollout do.
+        self._autocast = [
+            (d, torch.get_autocast_dtype(d)) for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)
+        ]
+
+    def __enter__(self) -> RewardQueue:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop the chunks not begun, wait for the one being scored, end the worker thread."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._chunks = []
+
+    def submit(self, rows: slice, images: Tensor) -> None:
+        """Queue the decoded chunk ``images`` of samples ``rows`` (the rollout's ``on_chunk``).
+
+        Raises:
+            Exception: what a reward raised on an earlier chunk (the rollout stops there).
+        """
+        if not self.overlapped:
+            return
+        self._raise_failure()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME)
+        ready = None
+        if images.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(images.device))  # after the decode's kernels
+        future = self._pool.submit(self._score, rows, images, ready)
+        self._chunks.append((rows, images, future))
+
+    def result(self, images: Tensor) -> RewardOutput:
+        """Wait for every chunk, score the rewards that run here, and return the batch's output.
+
+        Args:
+            images: the rollout's (B, 3, H, W) images, for the rewards scored on the whole batch.
+        """
+        start = time.perf_counter()
+        batch = images.shape[0]
+        parts = [(rows, future.result()) for rows, _, future in self._chunks]
+        covered = [i for rows, _ in parts for i in range(batch)[rows]]
+        if parts and covered != list(range(batch)):
+            raise ValueError(
+                f"the rollout handed on chunks of samples {[(r.start, r.stop) for r, _ in parts]}, "
+                f"which do not cover its {batch} samples in order"
+            )
+        later = [n for n in self.reward.rewards if not parts or n not in self.overlapped]
+        scored = self.reward.score(images, self.prompts, self.metadata, names=later) if later else {}
+        for name in self.reward.rewards:
+            if name not in scored:
+                scored[name] = _joined(name, [chunk[name] for _, chunk in parts])
+        out = self.reward.combine({n: scored[n] for n in self.reward.rewards}, batch)
+        out.exposed_s = time.perf_counter() - start
+        self._chunks = []  # the images go with them
+        return out
+
+    def _raise_failure(self) -> None:
+        for _, _, future in self._chunks:
+            if future.done() and not future.cancelled() and future.exception() is not None:
+                future.result()  # raises it
+
+    def _score(self, rows: slice, images: Tensor, ready: torch.cuda.Event | None) -> dict[str, Scored]:
+        prompts, metadata = self.prompts[rows], self.metadata[rows]
+        try:
+            with torch.no_grad(), _after(ready, images.device), contextlib.ExitStack() as autocast:
+                for device_type, dtype in self._autocast:
+                    autocast.enter_context(torch.autocast(device_type, dtype=dtype))
+                return self.reward.score(images, prompts, metadata, names=self.overlapped)
+        except Exception as err:
+            note(
+                err,
+                f"while scoring samples {rows.start}:{rows.stop} of this rank's batch, beside the rollout",
+            )
+            raise
+
+
+def _joined(name: str, chunks: list[Scored]) -> Scored:
+    """One reward's chunk outputs joined in sample order; its latency is the sum over the chunks."""
+    keys = list(chunks[0].components)
+    for chunk in chunks[1:]:
+        if list(chunk.components) != keys:
+            raise ValueError(
+                f"reward {name!r} returned components {list(chunk.components)} for one chunk of the rollout "
+                f"and {keys} for another: a reward must return the same components for every batch"
+            )
+    components = {key: torch.cat([chunk.components[key] for chunk in chunks]) for key in keys}
+    return Scored(components, sum(chunk.seconds for chunk in chunks))
+
+
+@contextlib.contextmanager
+def _after(ready: torch.cuda.Event | None, device: torch.device) -> Iterator[None]:
+    """On CUDA: run the block on this device's side stream, once ``ready`` (the chunk's decode) has
+    happened; on leaving, wait for the stream, so the chunk's images can be freed."""
+    if ready is None:
+        yield
+        return
+    stream = _side_stream(device)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        stream.wait_event(ready)
+        try:
+            yield
+        finally:
+            stream.synchronize()
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    # One stream per device for the process's life: the caching allocator keeps freed blocks per
+    # stream, so a new stream every step would strand each step's reward memory.
+    with _side_streams_lock:
+        if device not in _side_streams:
+            _side_streams[device] = torch.cuda.Stream(device)
+        return _side_streams[device]
