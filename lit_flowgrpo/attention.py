@@ -90,7 +90,8 @@ def choose_kernels(
     """The kernels to allow, and the warnings and errors for ``requested`` at ``shape``.
 
     Returns ``(kernels, warnings, errors)``: ``kernels`` is ``None`` for PyTorch's own choice among
-    all of them, else the names PyTorch may choose from (in its order of preference).
+    all of them, else the names PyTorch may choose from (in its order of preference; the math
+    kernel is kept as the last resort, see :func:`sdpa_backends`).
     """
     warnings: list[str] = []
     errors: list[str] = []
@@ -119,7 +120,14 @@ def choose_kernels(
 
 
 def sdpa_backends(kernels: tuple[str, ...]) -> list[Any]:
-    """``torch.nn.attention.SDPBackend`` members for kernel names."""
+    """``torch.nn.attention.SDPBackend`` members for kernel names, the math kernel always among them.
+
+    PyTorch's kernel switches (``sdpa_kernel``) are process-wide, not per thread: while a transformer
+    forward runs with its kernels, a reward scoring on another thread (the rollout's overlapped
+    scoring) sees the same switches. The math kernel runs any attention, so keeping it on means such
+    a reward always finds a kernel (an fp32 CLIP cannot use cuDNN or flash). PyTorch prefers every
+    fused kernel to it, so the transformer still gets the kernel asked for wherever that one can run.
+    """
     from torch.nn.attention import SDPBackend
 
     members = {
@@ -128,4 +136,4 @@ def sdpa_backends(kernels: tuple[str, ...]) -> list[Any]:
         "efficient": SDPBackend.EFFICIENT_ATTENTION,
         "math": SDPBackend.MATH,
     }
-    return [members[k] for k in kernels]
+    return [members[k] for k in dict.fromkeys((*kernels, "math"))]

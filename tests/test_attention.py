@@ -68,11 +68,18 @@ class _Probe(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(1))
-        self.seen: list[tuple[bool, bool, bool]] = []
+        self.seen: list[tuple[bool, bool, bool, bool]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = torch.backends.cuda
-        self.seen.append((b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled()))
+        self.seen.append(
+            (
+                b.cudnn_sdp_enabled(),
+                b.flash_sdp_enabled(),
+                b.mem_efficient_sdp_enabled(),
+                b.math_sdp_enabled(),
+            )
+        )
         return x * self.weight
 
 
@@ -86,17 +93,17 @@ def _apply(settings: PerformanceSettings, shape: AttentionShape, capability, mon
 
 def test_apply_scopes_each_forward_to_the_chosen_kernels(monkeypatch):
     probe = _apply(PerformanceSettings(), FLUX_512, HOPPER, monkeypatch)
-    assert probe.seen == [(False, True, True)]
+    assert probe.seen == [(False, True, True, True)]
     assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the forward
     # where nothing is known to fail, auto adds no scope at all
     probe = _apply(PerformanceSettings(), SD35M_512, HOPPER, monkeypatch)
-    assert not probe._forward_pre_hooks and probe.seen == [(True, True, True)]
+    assert not probe._forward_pre_hooks and probe.seen == [(True, True, True, True)]
 
 
 def test_apply_warns_for_a_forced_faulty_kernel_and_refuses_an_impossible_one(monkeypatch):
     with pytest.warns(UserWarning, match=r"attention_backend=cudnn at this model's attention"):
         probe = _apply(PerformanceSettings(attention_backend="cudnn"), FLUX_512, HOPPER, monkeypatch)
-    assert probe.seen == [(True, False, False)]
+    assert probe.seen == [(True, False, False, True)]
     with pytest.raises(SettingsError, match=r"attention_backend=flash cannot run this model's attention"):
         _apply(PerformanceSettings(attention_backend="flash"), QWEN_512, None, monkeypatch)
 

@@ -26,7 +26,10 @@ On CUDA the worker runs on its own stream, which first waits for an event record
 stream right after the chunk's decode: a GPU reward reads finished images and never races the
 sampler. The queue holds each chunk's images until its scoring has finished on that stream. The
 worker scores without autograd, under the caller's autocast (autocast is per thread), so a trainer's
-mixed precision applies to both ways alike. Validation scores its samples after sampling them.
+mixed precision applies to both ways alike. PyTorch's attention-kernel switches are process-wide,
+though: a GPU reward's attention runs under those of a transformer forward running at the same time,
+which always leave the math kernel on, so the reward always has one
+(:func:`lit_flowgrpo.attention.sdpa_backends`). Validation scores its samples after sampling them.
 """
 
 from __future__ import annotations
