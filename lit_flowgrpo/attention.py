@@ -63,7 +63,7 @@ KNOWN_FAULTS: tuple[KernelFault, ...] = (
         what=(
             "cuDNN's attention backward at head dim 128 and 1536 tokens (FLUX.1 at 512 px with 512 "
             "text tokens) returns NaN gradients, or ends in an illegal memory access, for a micro-batch "
-            "of 1 or 2 on Hopper GPUs (measured on an H200 with cuDNN 9.19, PyTorch 2.11; docs/scaling.md, "
+            "of 1 or 2 on Hopper GPUs (measured on H100 and H200 with cuDNN 9.19, PyTorch 2.11; docs/scaling.md, "
             "'Attention kernels')"
         ),
     ),
