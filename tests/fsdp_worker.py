@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
 from lit_flowgrpo.callbacks import RLThroughputMonitor, TrainableEMA
+from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies import SD3Policy
 from lit_flowgrpo.strategies import (  # also registers "fsdp2"
     FSDP2Strategy,
@@ -112,6 +113,7 @@ def build(config: dict[str, Any]) -> tuple[RecordingModule, PromptDataModule]:
         lora=LoraSettings(rank=2, alpha=4) if lora else None,
         reference_copy=not lora and kl_coef > 0,
         optimizer=functools.partial(torch.optim.SGD, lr=config.get("lr", 0.1)),
+        performance=PerformanceSettings(**config.get("performance", {})),
     )
     # Two validation prompts: one per rank on two ranks, one batch of two in one process.
     val = config["prompts"] if config.get("validate", True) else None
@@ -178,6 +180,9 @@ def run(config: dict[str, Any]) -> None:
             "sharded_blocks": sum(isinstance(b, FSDPModule) for b in transformer_blocks(transformer)),
             "dtensor_params": all(isinstance(p, DTensor) for p in transformer.parameters()),
             "gradient_checkpointing": bool(transformer.gradient_checkpointing),
+            "compiled_blocks": sum(
+                getattr(b, "_compiled_call_impl", None) is not None for b in transformer_blocks(transformer)
+            ),
             "flops": [throughput.flops_per_forward, throughput.flops_per_train_forward],
         }
         (out / "info.json").write_text(json.dumps(info))

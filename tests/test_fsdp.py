@@ -69,8 +69,9 @@ def test_fsdp2_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tm
     """Rewards, advantages, ratio statistics, the clipped global gradient norm, the LoRA weights and
     their EMA after 2 steps, and the validations in between (run with the EMA swapped in, as every
     recipe does), in both sharding modes: units resharded after each forward (the default, here with
-    activation checkpointing) and kept gathered until their backward (``reshard_after_forward=False``);
-    the adapter exported from the sharded run loads into the diffusers pipeline."""
+    activation checkpointing) and kept gathered until their backward (``reshard_after_forward=False``),
+    and with every sharded block compiled (``compile_blocks``); the adapter exported from the sharded
+    run loads into the diffusers pipeline."""
     # Clipping is active (norms are ~5e-3) and the optimizer is SGD, so a wrong global norm (a
     # rank-local one, say) changes the weights; Adam would hide any gradient scale.
     config = dict(pipeline=tiny_sd3_path, prompts=prompt_file, max_grad_norm=1e-3, lr=0.1, max_steps=2)
@@ -81,10 +82,21 @@ def test_fsdp2_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tm
         # that reads parameters outside a forward/backward pair sees the gathered copies unless it
         # reshards first (the FLOP count's backward once leaked into step 0's gradient so).
         "zero2": dict(reshard_after_forward=False),
+        # Each block compiled (dynamo's "eager" backend runs the captured ops unchanged: this checks
+        # that compiled blocks trace through FSDP2's units and compute what the plain blocks do).
+        "compiled": dict(),
     }
+    performance = {"compiled": dict(compile_blocks=True, compile_backend="eager")}
     procs = [
         torchrun(
-            dict(config, out=str(tmp_path / name), devices=2, export=name == "fsdp", strategy=s),
+            dict(
+                config,
+                out=str(tmp_path / name),
+                devices=2,
+                export=name == "fsdp",
+                strategy=s,
+                performance=performance.get(name, {}),
+            ),
             tmp_path,
             name,
         )
@@ -97,7 +109,12 @@ def test_fsdp2_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tm
         check_equal_single(tmp_path / "single", tmp_path / name, lr=lr, max_norm=max_norm, steps=steps)
     info = json.loads((tmp_path / "fsdp" / "info.json").read_text())
     flops = info.pop("flops")
-    assert info == {"sharded_blocks": 2, "dtensor_params": True, "gradient_checkpointing": True}
+    assert info == {
+        "sharded_blocks": 2,
+        "dtensor_params": True,
+        "gradient_checkpointing": True,
+        "compiled_blocks": 0,
+    }
     # RLThroughputMonitor counted the sharded transformer's FLOPs: the forward is the unsharded
     # model's; forward + backward adds the blocks' recomputation (activation checkpointing), at most
     # one more forward.
@@ -110,8 +127,11 @@ def test_fsdp2_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tm
         "sharded_blocks": 2,
         "dtensor_params": True,
         "gradient_checkpointing": False,
+        "compiled_blocks": 0,
         "flops": [fwd, fwd_bwd],
     }
+    compiled = json.loads((tmp_path / "compiled" / "info.json").read_text())
+    assert compiled["sharded_blocks"] == compiled["compiled_blocks"] == 2
     from diffusers import StableDiffusion3Pipeline
 
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_path)
