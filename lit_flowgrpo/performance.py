@@ -69,8 +69,11 @@ class PerformanceSettings:
         attention_backend: the ``scaled_dot_product_attention`` kernel: ``"auto"`` lets PyTorch choose
             (cuDNN first on Hopper), except kernels known to fail at the model's attention shape on
             this GPU (:data:`lit_flowgrpo.attention.KNOWN_FAULTS`: cuDNN at FLUX's 512 px shape);
-            ``"cudnn"``, ``"flash"``, ``"efficient"`` or ``"math"`` force one (a warning if it is
-            known to fail there, an error if it cannot run the model's attention at all).
+            ``"cudnn"``, ``"flash"``, ``"efficient"`` or ``"math"`` force one: a warning if it is
+            known to fail there; an error, before any rollout, if it cannot run the model's attention
+            (flash with masked prompts; cuDNN or flash with float32 compute). The math kernel stays
+            on as the last resort for rewards scoring on other threads (PyTorch's switches are
+            process-wide; :func:`lit_flowgrpo.attention.sdpa_backends`).
         fp8_base_matmuls: the frozen base weights of the transformer blocks multiply in float8 (e4m3,
             one scale per row; ``lit_flowgrpo.fp8``), in the rollout, the update and the reference
             alike; adapters, norms and attention stay in ``compute_dtype``. A LoRA run on a GPU with
@@ -166,7 +169,7 @@ class PerformanceSettings:
             for module in transformer.modules():
                 if isinstance(module, BaseTunerLayer):
                     module.cast_input_dtype_enabled = False
-        kernels = self._attention_kernels(attention, device)
+        kernels = self._attention_kernels(attention, device, dtype)
         if autocast or kernels is not None:
             scope = _ForwardScope(dtype if autocast else None, kernels and sdpa_backends(kernels))
             transformer.register_forward_pre_hook(scope.enter, with_kwargs=True)
@@ -190,9 +193,17 @@ class PerformanceSettings:
         if self.compile_blocks:
             _compile_repeated_blocks(transformer, self.compile_backend)
 
-    def _attention_kernels(self, shape: AttentionShape | None, device: Any) -> tuple[str, ...] | None:
+    def _attention_kernels(
+        self, shape: AttentionShape | None, device: Any, dtype: torch.dtype
+    ) -> tuple[str, ...] | None:
         flag = "--model.init_args.performance.attention_backend"
         kernels, warns, errors = choose_kernels(self.attention_backend, shape, capability_of(device), flag)
+        if self.attention_backend in ("cudnn", "flash") and dtype == torch.float32:
+            errors.append(
+                f"{flag}={self.attention_backend} runs only in bf16 or fp16, and this transformer computes "
+                "in float32 (--model.init_args.performance.compute_dtype and the policy's dtype): use auto, "
+                "efficient or math, or a bf16 policy"
+            )
         if errors:
             raise SettingsError("; ".join(errors))
         for message in warns:

@@ -67,7 +67,7 @@ class _Probe(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(1))
+        self.weight = nn.Parameter(torch.ones(1, dtype=torch.bfloat16))  # cuDNN and flash need half
         self.seen: list[tuple[bool, bool, bool, bool]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,6 +106,8 @@ def test_apply_warns_for_a_forced_faulty_kernel_and_refuses_an_impossible_one(mo
     assert probe.seen == [(True, False, False, True)]
     with pytest.raises(SettingsError, match=r"attention_backend=flash cannot run this model's attention"):
         _apply(PerformanceSettings(attention_backend="flash"), QWEN_512, None, monkeypatch)
+    with pytest.raises(SettingsError, match=r"attention_backend=cudnn runs only in bf16 or fp16"):
+        PerformanceSettings(attention_backend="cudnn").apply(nn.Linear(2, 2), SD35M_512, "cpu")
 
 
 # --------------------------------------------------------------------------------------------------
