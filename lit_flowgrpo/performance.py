@@ -31,6 +31,7 @@ rollout and the update compute differently would show up as policy change and be
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -286,14 +287,45 @@ class _ForwardScope:
 
 def enable_activation_checkpointing(transformer: nn.Module, flag: str) -> None:
     """The model's own gradient checkpointing of its blocks (diffusers' ``enable_gradient_checkpointing``,
-    which recomputes each block in the backward, non-reentrant, and only where gradients are taken)."""
+    which recomputes each block in the backward, non-reentrant, and only where gradients are taken),
+    the recomputation under the attention kernels of the forward (:func:`_checkpoint_block`)."""
     enable = getattr(transformer, "enable_gradient_checkpointing", None)
     if not callable(enable) or not getattr(transformer, "_supports_gradient_checkpointing", False):
         raise SettingsError(
             f"{flag}=true: {type(transformer).__name__} has no gradient checkpointing of its blocks "
             "(diffusers' enable_gradient_checkpointing); drop the setting"
         )
-    enable()
+    enable(gradient_checkpointing_func=_checkpoint_block)
+
+
+def _checkpoint_block(block: nn.Module, *args: Any) -> Any:
+    """``torch.utils.checkpoint`` of one block, recomputed under the attention kernels its forward ran with.
+
+    The backward recomputes the block after the transformer's forward scope has closed. Checkpointing
+    restores the autocast state, but not PyTorch's attention-kernel switches, so the recomputation
+    would run PyTorch's default kernel: a kernel left out at this shape (cuDNN at FLUX's 512 px) would
+    run after all, and a different kernel saves differently shaped tensors, which checkpointing
+    rejects ("Recomputed values ... have different metadata").
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.checkpoint import checkpoint
+
+    switches = torch.backends.cuda
+    kernels = [
+        backend
+        for backend, enabled in (
+            (SDPBackend.CUDNN_ATTENTION, switches.cudnn_sdp_enabled()),
+            (SDPBackend.FLASH_ATTENTION, switches.flash_sdp_enabled()),
+            (SDPBackend.EFFICIENT_ATTENTION, switches.mem_efficient_sdp_enabled()),
+            (SDPBackend.MATH, switches.math_sdp_enabled()),
+        )
+        if enabled
+    ]
+
+    def contexts() -> tuple[Any, Any]:
+        return contextlib.nullcontext(), sdpa_kernel(kernels)
+
+    return checkpoint(block.__call__, *args, use_reentrant=False, context_fn=contexts)
 
 
 def _mergeable_lora_layers(transformer: nn.Module) -> list[Any]:

@@ -244,3 +244,30 @@ def test_activation_checkpointing_of_a_model_without_it_names_the_setting():
         ValueError, match=r"performance\.activation_checkpointing=true: Linear has no gradient"
     ):
         PerformanceSettings(activation_checkpointing=True).apply(torch.nn.Linear(2, 2))
+
+
+def test_activation_checkpointing_recomputes_under_the_forwards_attention_kernels(tiny_sd3_path):
+    # The backward recomputes each block after the transformer's forward scope has closed: the
+    # recomputation must still run with the kernels the forward chose (PyTorch's switches are global).
+    policy = adapted_policy(
+        tiny_sd3_path, "float32", PerformanceSettings(attention_backend="math", activation_checkpointing=True)
+    )
+    switches = torch.backends.cuda
+    seen: list[tuple[bool, bool, bool, bool]] = []
+
+    def record(*_):
+        seen.append(
+            (
+                switches.cudnn_sdp_enabled(),
+                switches.flash_sdp_enabled(),
+                switches.mem_efficient_sdp_enabled(),
+                switches.math_sdp_enabled(),
+            )
+        )
+
+    hook = policy.transformer.transformer_blocks[0].register_forward_pre_hook(record)
+    policy.transformer.train()
+    policy.velocity(*velocity_inputs(policy), 4.5).square().mean().backward()
+    hook.remove()
+    assert seen == [(False, False, False, True)] * 2  # the forward and its recomputation
+    assert switches.cudnn_sdp_enabled() and switches.flash_sdp_enabled()  # restored afterwards
