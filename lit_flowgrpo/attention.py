@@ -3,8 +3,8 @@
 ``attention_backend: auto`` (:class:`~lit_flowgrpo.performance.PerformanceSettings`) is PyTorch's own
 choice, which on Hopper GPUs is cuDNN's fused attention first, minus every kernel that is known to
 fail at the run's attention shape on its GPU (:data:`KNOWN_FAULTS`). A kernel the user names is used
-as named, with a warning if it is known to fail, or refused before any weight is read if it cannot
-run the shape at all (flash attention and a padding mask).
+as named, with a warning if it is known to fail, or refused if it cannot run the shape at all (flash
+attention and a padding mask: before any weight is read).
 
 Why a table rather than a probe in the training process: the known fault returns NaN gradients or
 ends in an illegal memory access, which kills the process's CUDA context, so it cannot be tried and

@@ -141,7 +141,10 @@ class FlowGRPOModule(L.LightningModule):
     def _problems(self) -> list[str]:
         """Every settings problem, each naming its flag, found before any weight is read."""
         p = self.sampler.problems() + self.advantage.problems() + self.update.problems()
-        p += self.performance.problems(full_fine_tune=self.weights.lora is None)
+        p += self.performance.problems(
+            full_fine_tune=self.weights.lora is None,
+            masked_prompts=getattr(self.policy, "masked_prompts", False),
+        )
         p += self.objective.problems(self.sampler.sde_type)
         p += self.objective.sampler_problems(self.sampler)
         p += self.weights.problems(self.objective.uses_reference)

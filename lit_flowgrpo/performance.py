@@ -102,10 +102,14 @@ class PerformanceSettings:
     rollout_merged_lora: bool = False
 
     def problems(
-        self, flag: str = "--model.init_args.performance", full_fine_tune: bool = False
+        self,
+        flag: str = "--model.init_args.performance",
+        full_fine_tune: bool = False,
+        masked_prompts: bool = False,
     ) -> list[str]:
         """Every problem with these settings; ``full_fine_tune``: also what they ask of trained weights
-        that a full fine-tune cannot give, known from the config alone (:meth:`apply` would find it
+        that a full fine-tune cannot give, and ``masked_prompts`` (the policy pads and masks its
+        prompts): of the attention kernel, known from the config alone (:meth:`apply` would find them
         only once the weights are loaded)."""
         p = []
         for setting, why in (
@@ -121,7 +125,8 @@ class PerformanceSettings:
             p.append(
                 f"{flag}.compute_dtype ({self.compute_dtype}) must be auto, float32, bfloat16 or float16"
             )
-        p += choose_kernels(self.attention_backend, None, None, f"{flag}.attention_backend")[2]
+        shape = AttentionShape(0, 0, 0, masked=True) if masked_prompts else None
+        p += choose_kernels(self.attention_backend, shape, None, f"{flag}.attention_backend")[2]
         if self.compile_decoder and not self.compile_blocks:
             p.append(f"{flag}.compile_decoder needs {flag}.compile_blocks=true (it uses its compile_backend)")
         if self.fp8_base_matmuls and self.rollout_merged_lora:

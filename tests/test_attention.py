@@ -106,6 +106,10 @@ def test_apply_warns_for_a_forced_faulty_kernel_and_refuses_an_impossible_one(mo
     assert probe.seen == [(True, False, False, True)]
     with pytest.raises(SettingsError, match=r"attention_backend=flash cannot run this model's attention"):
         _apply(PerformanceSettings(attention_backend="flash"), QWEN_512, None, monkeypatch)
+    # known from the config alone: among the settings' problems, before any weight is read
+    (problem,) = PerformanceSettings(attention_backend="flash").problems(masked_prompts=True)
+    assert problem.startswith(f"{FLAG}=flash cannot run this model's attention")
+    assert PerformanceSettings(attention_backend="flash").problems(masked_prompts=False) == []
     with pytest.raises(SettingsError, match=r"attention_backend=cudnn runs only in bf16 or fp16"):
         PerformanceSettings(attention_backend="cudnn").apply(nn.Linear(2, 2), SD35M_512, "cpu")
 
