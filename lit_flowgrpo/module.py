@@ -411,7 +411,10 @@ class FlowGRPOModule(L.LightningModule):
             self.log(mean_key, self.val_means[key], metric_attribute=f"val_means.{key}", **log)
             self.log(unscored_key, self.val_unscored[key], metric_attribute=f"val_unscored.{key}", **log)
         return ValidationOutput(
-            images=images.detach(), prompts=list(batch.prompts), rewards=rewards.components
+            images=images.detach(),
+            prompts=list(batch.prompts),
+            rewards=rewards.components,
+            sample_ids=batch.sample_ids,
         )
 
     # ----------------------------------------------------------------------------------------------

@@ -54,3 +54,6 @@ class ValidationOutput(TypedDict):
     prompts: list[str]
     rewards: dict[str, Tensor]
     """Each reward component, (B,) (NaN where unscored)."""
+    sample_ids: Tensor
+    """(B,) the validation sample each row is (a fixed (prompt, seed) pair): the same id is the same
+    prompt and noise in every validation, so validations compare sample by sample."""

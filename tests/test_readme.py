@@ -131,5 +131,7 @@ def test_the_quickstart_smoke_command_runs_as_written(
     main(shlex.split(smoke)[1:])
     out = capsys.readouterr().out
     assert re.search(
-        r"held-out strict accuracy: \d\.\d{3} -> \d\.\d{3} \(the base model -> after \d+ rollouts", out
+        r"held-out strict accuracy: \d\.\d{3} -> \d\.\d{3} \([+-]\d\.\d{3} ± \d\.\d{3}, \d+ paired samples; "
+        r"the base model -> after \d+ rollouts",
+        out,
     )

@@ -74,7 +74,13 @@ class Learner(L.LightningModule):
 
 
 def fit(
-    tmp_path: Path, report: HeldOutReport, max_steps: int, *, sanity: int = -1, ckpt: str | None = None
+    tmp_path: Path,
+    report: HeldOutReport,
+    max_steps: int,
+    *,
+    sanity: int = -1,
+    ckpt: str | None = None,
+    learner: type[Learner] = Learner,
 ) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
@@ -97,7 +103,7 @@ def fit(
         default_root_dir=str(tmp_path),
     )
     loader = DataLoader(torch.zeros(100), batch_size=1)
-    trainer.fit(Learner(), loader, DataLoader(torch.zeros(1), batch_size=1), ckpt_path=ckpt)
+    trainer.fit(learner(), loader, DataLoader(torch.zeros(1), batch_size=1), ckpt_path=ckpt)
 
 
 def test_a_run_ending_between_validations_is_evaluated_once_more(tmp_path: Path, capsys) -> None:
@@ -108,6 +114,38 @@ def test_a_run_ending_between_validations_is_evaluated_once_more(tmp_path: Path,
     assert "held-out strict accuracy after 3 rollouts: 0.300" in out
     assert report.last_line == "held-out strict accuracy: 0.000 -> 0.300 (the base model -> after 3 rollouts)"
     assert (tmp_path / "base_vs_tuned.png").is_file()
+
+
+class PairedLearner(Learner):
+    """Validation outputs carry sample ids, as FlowGRPOModule's do: sample i passes after g rollouts
+    when i·g is odd (none at the base model; after 3 rollouts samples 1 and 3 of 0..3)."""
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> dict:
+        out = super().validation_step(batch, batch_idx)
+        ids = torch.arange(4)
+        out["rewards"]["shapes/strict"] = ((ids * self.trainer.global_step) % 2 == 1).float()
+        out["sample_ids"] = ids.flip(0)  # any order: rows pair by id, not by position
+        return out
+
+
+def test_the_gain_is_a_paired_difference_with_its_standard_error(tmp_path: Path) -> None:
+    report = HeldOutReport()
+    fit(tmp_path, report, max_steps=3, learner=PairedLearner)
+    d = torch.tensor([0.0, 1.0, 0.0, 1.0], dtype=torch.float64)  # tuned − base per sample, by hand
+    se = float(d.std(unbiased=True)) / 2.0  # over sqrt(4) samples: 0.2887
+    assert report.paired_gain() == (pytest.approx(0.5), pytest.approx(se), 4)
+    assert report.last_line == (
+        f"held-out strict accuracy: 0.000 -> 0.500 (+0.500 ± {se:.3f}, 4 paired samples; "
+        "the base model -> after 3 rollouts)"
+    )
+    # the base model's per-sample values travel in the checkpoint: a resumed run pairs too
+    shutil.copy(tmp_path / "ckpt" / "last.ckpt", tmp_path / "three.ckpt")
+    resumed = HeldOutReport()
+    fit(tmp_path, resumed, max_steps=4, ckpt=str(tmp_path / "three.ckpt"), learner=PairedLearner)
+    assert resumed.paired_gain() == (0.0, 0.0, 4)  # i·4 is even: every sample back at its base verdict
+    assert resumed.last_line.endswith(
+        "0.000 -> 0.000 (+0.000 ± 0.000, 4 paired samples; the base model -> after 4 rollouts)"
+    )
 
 
 def test_a_run_ending_on_a_validation_is_evaluated_once(tmp_path: Path) -> None:

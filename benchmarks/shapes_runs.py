@@ -1,0 +1,309 @@
+"""Side-by-side learning runs on the shapes world, and the table and picture they make.
+
+Runs many ``lit-flowgrpo fit`` jobs of the shapes world at once (a plan: labels x seeds), each in its
+own folder with the CSV logger, then reads back held-out strict accuracy against rollouts:
+
+    # the four objectives, 3 seeds each, side by side on one GPU
+    python benchmarks/shapes_runs.py run --plan objectives --seeds 0 1 2 --accelerator cuda \
+        --parallel 12 --out runs/objectives
+    # what one rollout of each costs on this machine (CPU, one run at a time, no validation)
+    python benchmarks/shapes_runs.py run --plan objectives --seeds 0 --rollouts 4 --val_every 0 \
+        --parallel 1 --out runs/objectives_timing
+    python benchmarks/shapes_runs.py report runs/objectives --timing runs/objectives_timing \
+        --json benchmarks/results/shapes_objectives.json --plot docs/objective_comparison.png
+
+``report`` prints one table row per label: held-out strict accuracy at each evaluation (mean over
+seeds, with the seeds' spread), the gain reached within ``--minutes`` of the timing machine (base and
+final evaluations included, from the timing runs' seconds per rollout and per evaluated sample), and
+the paired standard error of each run's gain (the same held-out prompts and seeds before and after).
+
+The runs' wall times are not a speed measurement when they share a machine: only ``--timing`` runs,
+made one at a time on the machine to be described, are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+LR = "--model.init_args.optimizer.init_args.lr="
+NFT = "--model.init_args.objective.init_args."
+
+# label -> (config, overrides). Every plan evaluates the same held-out metric as the quickstart:
+# 250 held-out prompts x 4 seeds at 10 ODE steps and guidance 3.
+PLANS: dict[str, dict[str, tuple[str, list[str]]]] = {
+    "objectives": {
+        "flow_grpo": ("configs/quickstart.yaml", []),
+        "grpo_guard": ("configs/quickstart_guard.yaml", []),
+        "flow_dppo": ("configs/quickstart_dppo.yaml", []),
+        "diffusion_nft": ("configs/quickstart_nft.yaml", []),
+    },
+    # Levers for learning within 15 minutes of a 2-core CPU: a larger step, fewer update visits, smaller
+    # rollouts. Each changes one or two settings of the quickstart's objective configs.
+    "levers": {
+        "flow_grpo_lr3e-5": ("configs/quickstart.yaml", [LR + "3e-5"]),
+        "flow_grpo_lr3e-5_p4": (
+            "configs/quickstart.yaml",
+            [LR + "3e-5", "--data.init_args.prompts_per_step=4"],
+        ),
+        "grpo_guard_lr3e-5": ("configs/quickstart_guard.yaml", [LR + "3e-5"]),
+        "flow_dppo_lr3e-5": ("configs/quickstart_dppo.yaml", [LR + "3e-5"]),
+        "nft_lr5e-6": ("configs/quickstart_nft.yaml", [LR + "5e-6"]),
+        "nft_lr3e-5": ("configs/quickstart_nft.yaml", [LR + "3e-5"]),
+        "nft_tf0.3": ("configs/quickstart_nft.yaml", [NFT + "timestep_fraction=0.3"]),
+        "nft_lr3e-5_tf0.3": ("configs/quickstart_nft.yaml", [LR + "3e-5", NFT + "timestep_fraction=0.3"]),
+        # DiffusionNFT's claim is a better CFG-free model: the held-out metric at guidance 1 (its base is lower)
+        "nft_eval_cfg1": (
+            "configs/quickstart_nft.yaml",
+            ["--model.init_args.sampler.eval_guidance_scale=1.0"],
+        ),
+    },
+}
+
+HELD_OUT = "val-core/shapes/strict/mean@1"
+PROXY = "critic/rewards/shapes/strict/mean"
+STEP_TIME = "perf/time_per_step"
+
+
+def _steps_per_rollout(config: str, overrides: list[str]) -> int:
+    for o in overrides:
+        if o.startswith("--model.init_args.update.optimizer_steps_per_rollout="):
+            return int(o.split("=", 1)[1])
+    with open(config) as f:
+        return int(yaml.safe_load(f)["model"]["init_args"]["update"].get("optimizer_steps_per_rollout", 1))
+
+
+def command(
+    config: str, overrides: list[str], seed: int, folder: Path, opts: argparse.Namespace
+) -> list[str]:
+    per = _steps_per_rollout(config, overrides)
+    cmd = [
+        sys.executable, "-m", "lit_flowgrpo.cli", "fit", "--config", config,
+        f"--seed_everything={seed}", f"--data.init_args.seed={seed}", f"--model.init_args.seed={seed}",
+        f"--trainer.max_steps={opts.rollouts * per}",
+        f"--trainer.default_root_dir={folder}",
+        f"--trainer.logger.init_args.save_dir={folder}", "--trainer.logger.init_args.name=log",
+        "--trainer.logger.init_args.flush_logs_every_n_steps=1",  # partial runs still leave their curve
+        f"--trainer.accelerator={opts.accelerator}",
+    ]  # fmt: skip
+    if opts.val_every > 0:
+        cmd.append(f"--trainer.val_check_interval={opts.val_every}")
+    else:
+        cmd += ["--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0"]
+    if opts.max_val_prompts:
+        cmd.append(f"--data.init_args.max_val_prompts={opts.max_val_prompts}")
+    return cmd + overrides + opts.extra
+
+
+def run(opts: argparse.Namespace) -> None:
+    jobs = []
+    for plan in opts.plan:
+        for label, (config, overrides) in PLANS[plan].items():
+            if opts.only and label not in opts.only:
+                continue
+            for seed in opts.seeds:
+                folder = opts.out / f"{label}__s{seed}"
+                jobs.append((folder, command(config, overrides, seed, folder, opts), config, overrides))
+    env = dict(os.environ, OMP_NUM_THREADS=str(opts.threads))
+    running: list[tuple[subprocess.Popen, Path, float]] = []
+    start = time.monotonic()
+    while jobs or running:
+        while jobs and len(running) < opts.parallel:
+            folder, cmd, config, overrides = jobs.pop(0)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "run.json").write_text(
+                json.dumps({"command": cmd, "config": config, "overrides": overrides})
+            )
+            with open(folder / "stdout.log", "w") as log:  # the child keeps its own handle
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            running.append((proc, folder, time.monotonic()))
+        for item in list(running):
+            proc, folder, began = item
+            if proc.poll() is not None:
+                running.remove(item)
+                print(f"{folder.name}: rc={proc.returncode} {time.monotonic() - began:.0f}s "
+                      f"(at {time.monotonic() - start:.0f}s)", flush=True)  # fmt: skip
+        time.sleep(1.0)
+
+
+def read_run(folder: Path) -> dict:
+    meta = json.loads((folder / "run.json").read_text())
+    per = _steps_per_rollout(meta["config"], meta["overrides"])
+    files = sorted(folder.rglob("metrics.csv"), key=lambda p: p.stat().st_mtime)
+    held, proxy, step_s = {}, {}, {}
+    for row in csv.DictReader(files[-1].read_text().splitlines()) if files else []:
+        step = int(float(row["step"]))
+        if row.get(HELD_OUT):
+            # Lightning logs a validation at the step before it (global_step − 1); the base model's
+            # (written by HeldOutReport, outside any epoch) at 0
+            held[(step + 1) // per if row.get("epoch") else 0] = float(row[HELD_OUT])
+        rollout = step // per + 1  # 1-based, as the progress bar counts
+        if row.get(PROXY):
+            proxy[rollout] = float(row[PROXY])
+        if row.get(STEP_TIME):
+            step_s[rollout] = step_s.get(rollout, 0.0) + float(row[STEP_TIME])
+    label, seed = folder.name.rsplit("__s", 1)
+    paired = _paired(folder)
+    return {
+        "label": label, "seed": int(seed), "held_out": held, "proxy": proxy,
+        "s_per_rollout": step_s, "paired": paired,
+    }  # fmt: skip
+
+
+def _paired(folder: Path) -> dict | None:
+    """The last line's paired gain (``+0.105 ± 0.020, 1000 paired samples``), when the run printed one."""
+    log = folder / "stdout.log"
+    if not log.exists():
+        return None
+    for line in reversed(log.read_text(errors="replace").splitlines()):
+        if "paired samples" in line and "±" in line:
+            inner = line.split("(", 1)[1]
+            gain, rest = inner.split("±", 1)
+            se, n = rest.split(",", 1)
+            return {"gain": float(gain), "se": float(se), "samples": int(n.split()[0])}
+    return None
+
+
+def _timing(folder: Path | None) -> dict[str, dict[str, float]]:
+    """Per label: median seconds per rollout (the first one left out: it warms caches up)."""
+    out: dict[str, dict[str, float]] = {}
+    for run_dir in sorted(folder.iterdir()) if folder else []:
+        if not (run_dir / "run.json").exists():
+            continue
+        r = read_run(run_dir)
+        times = [t for k, t in sorted(r["s_per_rollout"].items()) if k > 1]
+        if times:
+            out[r["label"]] = {"s_per_rollout": statistics.median(times), "rollouts_timed": len(times)}
+    return out
+
+
+def report(opts: argparse.Namespace) -> None:
+    runs = [read_run(d) for d in sorted(opts.runs.iterdir()) if (d / "run.json").exists()]
+    timing = _timing(opts.timing)
+    labels = list(dict.fromkeys(r["label"] for r in runs))
+    table = {}
+    print(f"{'label':28s} {'seeds':>5s}  base -> final (rollouts)  gain mean [min, max]  ", end="")
+    print(f"gain within {opts.minutes:g} min" if timing else "")
+    for label in labels:
+        group = [r for r in runs if r["label"] == label]
+        common = sorted(set.intersection(*(set(r["held_out"]) for r in group)))
+        curve = {k: [r["held_out"][k] for r in group] for k in common}
+        entry: dict = {
+            "seeds": [r["seed"] for r in group],
+            "held_out": {k: v for k, v in curve.items()},
+            "proxy": {r["seed"]: r["proxy"] for r in group},
+        }
+        if len(common) >= 2:
+            first, last = common[0], common[-1]
+            gains = [b - a for a, b in zip(curve[first], curve[last], strict=True)]
+            entry.update(final_rollouts=last, gain_mean=statistics.mean(gains), gains=gains)
+            row = (
+                f"{label:28s} {len(group):5d}  {statistics.mean(curve[first]):.3f} -> "
+                f"{statistics.mean(curve[last]):.3f} ({last:3d})      {statistics.mean(gains):+.3f} "
+                f"[{min(gains):+.3f}, {max(gains):+.3f}]"
+            )
+        else:
+            row = f"{label:28s} {len(group):5d}  (fewer than two evaluations)"
+        t = timing.get(label)
+        if t and len(common) >= 2:
+            entry["cpu"] = budget = _within(curve, t["s_per_rollout"], opts)
+            row += f"   {budget['gain_mean']:+.3f} at {budget['rollouts']} rollouts ({budget['minutes']:.1f} min)"
+        table[label] = entry
+        print(row)
+    if opts.json:
+        opts.json.parent.mkdir(parents=True, exist_ok=True)
+        opts.json.write_text(json.dumps({"timing": timing, "labels": table, "argv": sys.argv[1:]}, indent=1))
+        print(f"wrote {opts.json}")
+    if opts.plot:
+        _plot(runs, labels, timing, opts)
+
+
+def _within(curve: dict[int, list[float]], s_per_rollout: float, opts: argparse.Namespace) -> dict:
+    """The last evaluation reachable within the budget: two evaluations of ``--eval_samples`` at
+    ``--s_per_sample`` plus the rollouts before it."""
+    evals = 2 * opts.eval_samples * opts.s_per_sample
+    reach = [k for k in curve if k * s_per_rollout + evals + opts.startup_s <= opts.minutes * 60]
+    k = max(reach) if reach else 0
+    base = curve[min(curve)]
+    gains = [b - a for a, b in zip(base, curve[k], strict=True)]
+    minutes = (k * s_per_rollout + evals + opts.startup_s) / 60
+    return {"rollouts": k, "gain_mean": statistics.mean(gains), "gains": gains, "minutes": minutes}
+
+
+def _plot(runs: list[dict], labels: list[str], timing: dict, opts: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    axes_n = 2 if timing else 1
+    fig, axes = plt.subplots(1, axes_n, figsize=(5.5 * axes_n, 4), sharey=True, squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, label in enumerate(labels):
+        group = [r for r in runs if r["label"] == label]
+        c = colours[i % len(colours)]
+        common = sorted(set.intersection(*(set(r["held_out"]) for r in group)))
+        mean = [statistics.mean(r["held_out"][k] for r in group) for k in common]
+        lo = [min(r["held_out"][k] for r in group) for k in common]
+        hi = [max(r["held_out"][k] for r in group) for k in common]
+        xs = [common]
+        if timing and label in timing:
+            s = timing[label]["s_per_rollout"]
+            evals = opts.eval_samples * opts.s_per_sample
+            xs.append([(k * s + evals + opts.startup_s) / 60 for k in common])
+        for ax, x in zip(axes[0], xs, strict=False):
+            ax.fill_between(x, lo, hi, color=c, alpha=0.15, linewidth=0)
+            ax.plot(x, mean, "o-", color=c, markersize=3, label=f"{label} ({len(group)} seeds)")
+    axes[0][0].set_xlabel("rollouts (64 images each)")
+    axes[0][0].set_ylabel("held-out strict accuracy (mean; band: seeds' range)")
+    if timing:
+        axes[0][1].set_xlabel("minutes of a 2-core CPU (from timing runs, base evaluation included)")
+        axes[0][1].axvline(opts.minutes, color="grey", linestyle=":", linewidth=1)
+    for ax in axes[0]:
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    opts.plot.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(opts.plot, dpi=120)
+    print(f"wrote {opts.plot}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="launch a plan's runs side by side")
+    r.add_argument("--plan", nargs="+", choices=sorted(PLANS), required=True)
+    r.add_argument("--only", nargs="*", help="labels of the plans to run (default: all)")
+    r.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    r.add_argument("--rollouts", type=int, default=60)
+    r.add_argument("--val_every", type=int, default=5, help="rollouts between evaluations (0: none)")
+    r.add_argument("--max_val_prompts", type=int, default=0, help="0: all 250")
+    r.add_argument("--accelerator", default="cpu")
+    r.add_argument("--parallel", type=int, default=1)
+    r.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("extra", nargs="*", help="more `fit` flags for every run (after --)")
+    p = sub.add_parser("report", help="the table (and picture) of finished or partial runs")
+    p.add_argument("runs", type=Path)
+    p.add_argument("--timing", type=Path, help="folder of `run --val_every 0 --parallel 1` runs")
+    p.add_argument("--minutes", type=float, default=15.0)
+    p.add_argument("--eval_samples", type=int, default=1000, help="samples per held-out evaluation")
+    p.add_argument("--s_per_sample", type=float, default=0.28, help="seconds per evaluated sample")
+    p.add_argument("--startup_s", type=float, default=15.0)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--plot", type=Path)
+    opts = parser.parse_args()
+    run(opts) if opts.cmd == "run" else report(opts)
+
+
+if __name__ == "__main__":
+    main()
