@@ -69,6 +69,30 @@ PLANS: dict[str, dict[str, tuple[str, list[str]]]] = {
     },
 }
 
+SAMPLER = "--model.init_args.sampler."
+# Second round of levers, around the first round's best (the quickstart's lr; larger ones overshoot).
+PLANS["levers2"] = {
+    "flow_grpo_lr2e-5": ("configs/quickstart.yaml", [LR + "2e-5"]),
+    "flow_grpo_noise1.0": ("configs/quickstart.yaml", [SAMPLER + "noise_level=1.0"]),
+    "flow_grpo_strict_only": (
+        "configs/quickstart.yaml",
+        ['--model.init_args.reward.init_args.weights={"shapes/strict": 1.0}'],
+    ),
+    "flow_grpo_g16p4": (
+        "configs/quickstart.yaml",
+        ["--data.init_args.group_size=16", "--data.init_args.prompts_per_step=4"],
+    ),
+    "flow_grpo_window10": (
+        "configs/quickstart.yaml",
+        [SAMPLER + "sde_window_size=10", SAMPLER + "sde_window_range=[0,10]"],
+    ),
+    "flow_grpo_window2": ("configs/quickstart.yaml", [SAMPLER + "sde_window_size=2"]),
+    "grpo_guard_noise1.0": ("configs/quickstart_guard.yaml", [SAMPLER + "noise_level=1.0"]),
+    "nft_lr5e-6_tf0.3": ("configs/quickstart_nft.yaml", [LR + "5e-6", NFT + "timestep_fraction=0.3"]),
+    "nft_lr1e-5": ("configs/quickstart_nft.yaml", [LR + "1e-5"]),
+    "nft_lr5e-6_beta0.1": ("configs/quickstart_nft.yaml", [LR + "5e-6", NFT + "beta=0.1"]),
+}
+
 HELD_OUT = "val-core/shapes/strict/mean@1"
 PROXY = "critic/rewards/shapes/strict/mean"
 STEP_TIME = "perf/time_per_step"
@@ -136,17 +160,16 @@ def run(opts: argparse.Namespace) -> None:
 
 
 def read_run(folder: Path) -> dict:
-    meta = json.loads((folder / "run.json").read_text())
-    per = _steps_per_rollout(meta["config"], meta["overrides"])
     files = sorted(folder.rglob("metrics.csv"), key=lambda p: p.stat().st_mtime)
     held, proxy, step_s = {}, {}, {}
     for row in csv.DictReader(files[-1].read_text().splitlines()) if files else []:
         step = int(float(row["step"]))
         if row.get(HELD_OUT):
-            # Lightning logs a validation at the step before it (global_step − 1); the base model's
-            # (written by HeldOutReport, outside any epoch) at 0
-            held[(step + 1) // per if row.get("epoch") else 0] = float(row[HELD_OUT])
-        rollout = step // per + 1  # 1-based, as the progress bar counts
+            # Lightning's logging step counts training batches (rollouts), not optimizer steps, and a
+            # validation after rollout k logs at k − 1; the base model's (written by HeldOutReport,
+            # outside any epoch) at 0
+            held[step + 1 if row.get("epoch") else 0] = float(row[HELD_OUT])
+        rollout = step + 1  # 1-based, as the progress bar counts
         if row.get(PROXY):
             proxy[rollout] = float(row[PROXY])
         if row.get(STEP_TIME):
