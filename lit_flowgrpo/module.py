@@ -244,6 +244,7 @@ class FlowGRPOModule(L.LightningModule):
                     self.policy,
                     embeds,
                     batch.seeds,
+                    initial_seeds=batch.initial_seeds,
                     step=batch.step,
                     seed=self.seed,
                     record=self.objective.rollout_records(self.diagnostics),

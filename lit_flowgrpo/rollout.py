@@ -139,6 +139,7 @@ class Sampler:
         seed: int,
         record: Collection[Record] = ("transitions",),
         on_chunk: Callable[[slice, Tensor], None] | None = None,
+        initial_seeds: Tensor | None = None,
     ) -> tuple[Trajectory, Tensor]:
         """Sample the training batch, recording its trained steps; returns (trajectory, images).
 
@@ -153,6 +154,9 @@ class Sampler:
                 log-prob, std, √dt) and ``"means"`` (μ_old); the final latent is always kept.
             on_chunk: called with (rows, images) right after each chunk of ``batch_size`` samples is
                 decoded, before the next one samples (the reward scores it meanwhile).
+            initial_seeds: (B,) seeds of the initial noise alone (equal within a group for a shared
+                start, :attr:`~lit_flowgrpo.data.PromptBatch.initial_seeds`); ``seeds`` then draws only
+                the noise of the stochastic steps. ``None``: each sample's own seed draws both, in turn.
         """
         sde_steps, train_steps = self.plan(step, seed)
         transformer = policy.transformer
@@ -163,7 +167,12 @@ class Sampler:
             for rows in self._chunks(len(seeds)):
                 device = _device(policy)
                 generators = per_sample_generators(seeds[rows], device)
-                noise = initial_noise(policy.latent_shape(self.height, self.width), generators, device)
+                starts = (
+                    generators
+                    if initial_seeds is None
+                    else per_sample_generators(initial_seeds[rows], device)
+                )
+                noise = initial_noise(policy.latent_shape(self.height, self.width), starts, device)
                 traj = sample_trajectory(
                     policy,
                     index_embeds(embeds, rows),
