@@ -148,7 +148,7 @@ class FlowGRPOModule(L.LightningModule):
         p += self.objective.problems(self.sampler.sde_type)
         p += self.objective.sampler_problems(self.sampler)
         p += self.weights.problems(self.objective.uses_reference)
-        p += self.policy.problems() + self.policy.image_size_problems(self.sampler.height, self.sampler.width)
+        p += self.policy.problems() + self.sampler.image_size_problems(self.policy)
         weights = getattr(self.reward, "weights", None)
         if isinstance(weights, dict) and weights and not any(weights.values()):
             p.append(f"{flag('reward')}.weights are all 0 ({weights}): the reward is 0 by construction")

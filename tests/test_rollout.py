@@ -92,6 +92,8 @@ class Pixels:
 
     uses_cfg_batch = True
 
+    image_size_multiple, image_size_reason = 4, ""
+
     def __init__(self) -> None:
         self.transformer = torch.nn.Linear(1, 1)
 
@@ -109,6 +111,11 @@ class Pixels:
 
     def decode(self, latents: Tensor) -> Tensor:
         return latents.repeat_interleave(4, dim=-1).repeat_interleave(4, dim=-2).sigmoid()
+
+    def image_size_problems(self, height, width, flags=("h", "w")):
+        from lit_flowgrpo.policies.base import FlowPolicy
+
+        return FlowPolicy.image_size_problems(self, height, width, flags)
 
 
 def test_initial_seeds_share_the_start_and_nothing_else() -> None:
@@ -133,3 +140,25 @@ def test_initial_seeds_share_the_start_and_nothing_else() -> None:
     )
     assert torch.equal(whole.latents, traj.latents) and images.shape == (6, 3, 8, 8)
 
+
+def test_validation_samples_at_its_own_size() -> None:
+    sampler = Sampler(num_steps=2, eval_num_steps=2, height=8, width=8, eval_height=12, eval_width=16)
+    assert sampler.eval_size == (12, 16)
+    images = sampler.evaluate(Pixels(), ["a", "b"], torch.tensor([1, 2]))
+    assert images.shape == (2, 3, 12, 16)
+    _, rollout = sampler.rollout(Pixels(), {"scale": torch.ones(2)}, torch.tensor([1, 2]), step=0, seed=0)
+    assert rollout.shape == (2, 3, 8, 8)
+    assert Sampler(height=8, width=12, eval_width=16).eval_size == (8, 16)  # null: the rollout's
+
+
+def test_eval_sizes_are_checked_against_the_policy_under_their_own_flags() -> None:
+    flag = "--model.init_args.sampler"
+    assert Sampler(height=8, width=8, eval_height=12).image_size_problems(Pixels()) == []
+    (problem,) = Sampler(height=8, width=8, eval_height=10).image_size_problems(Pixels())
+    assert problem.startswith(f"{flag}.eval_height (10) must be a positive multiple of 4")
+    # A bad rollout size is named once, under its own flag, even where eval sizes default to it.
+    problems = Sampler(height=10, width=8, eval_width=6).image_size_problems(Pixels())
+    assert [p.split(" ")[0] for p in problems] == ["h", f"{flag}.eval_width"]
+    assert Sampler(eval_height=0).problems() == [
+        f"{flag}.eval_height (0) must be at least 1, or null to use height"
+    ]
