@@ -6,8 +6,9 @@ per-sample statistics the metrics need come back as a :class:`PolicyStats`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -15,11 +16,13 @@ from torch import Tensor
 __all__ = [
     "NFT_DECAY_SCHEDULES",
     "DPPOStats",
+    "GDPOAdvantages",
     "NFTStats",
     "PolicyStats",
     "flow_dppo_loss",
     "flow_grpo_loss",
     "gaussian_step_kl",
+    "gdpo_advantages",
     "group_advantages",
     "grpo_guard_loss",
     "kl_to_reference",
@@ -86,6 +89,113 @@ def group_advantages(
     else:
         scale = r.std(correction=0)
     return (centred / (scale + eps)).to(out_dtype)
+
+
+class GDPOAdvantages(NamedTuple):
+    """What :func:`gdpo_advantages` gives back."""
+
+    advantages: Tensor
+    """(N,) in the components' floating dtype; 0 where ``scored`` is False."""
+    scored: Tensor
+    """(N,) bool: samples with at least one finite weighted component (the rest have no advantage)."""
+    empty_groups: Tensor
+    """(C,) int64: per component, the groups in which it scored no sample (left out of them)."""
+
+
+def gdpo_advantages(
+    components: Tensor,
+    weights: Tensor | Sequence[float],
+    group_ids: Tensor,
+    *,
+    std: Literal["global", "group"] = "group",
+    eps: float = 1e-4,
+) -> GDPOAdvantages:
+    """GDPO advantages: each reward component normalised on its own within its group, then weighted,
+    summed and normalised over the batch.
+
+    GDPO (Liu et al., 2026, "Group reward-Decoupled Normalization Policy Optimization", arXiv:2601.05242,
+    §3.1): A_k(i) = (r_k(i) − mean_{g(i)} r_k) / (s_k + eps), S(i) = Σ_k w_k·A_k(i) (the weights as the
+    paper's §3.2 applies them: on the normalised components), A(i) = S(i) / (std_batch S + eps).
+
+    - ``s_k`` is the population std of component k within group g(i) (``std="group"``, the paper's) or
+      over the whole batch (``"global"``, Flow-GRPO's global std, per component); ``eps`` as in
+      :func:`group_advantages`.
+    - The batch step divides by the batch's population std only. The paper also subtracts the batch
+      mean of S, which is 0 by construction here (every A_k is centred within its group over the
+      samples it scored, so each group's Σ_i w_k·A_k(i) vanishes): subtracting its rounding would turn a
+      tied group's exact 0 into a tiny number that ``filter_zero`` could no longer recognise.
+    - A component that is NaN for a sample is left out of that sample's sum: its NaN enters neither
+      its group's mean nor its std (a failed score is never a 0), and the sample's other components
+      keep their weights. That counts the missing component at its group's mean, no evidence either
+      way; renormalising the other weights would instead claim it agrees with them.
+    - A component that is NaN for a whole group is left out of that group (``empty_groups`` counts
+      them); a sample with no finite component has no advantage (``scored`` is False, advantage 0).
+
+    Args:
+        components: (C, N) each weighted component's value per sample, NaN where it failed.
+        weights: (C,) the weight of each component (non-zero).
+        group_ids: (N,) integer group of each sample.
+        std: the scale of each component's normalisation, as above.
+        eps: added to each std.
+
+    Returns:
+        :class:`GDPOAdvantages`.
+
+    Example:
+        >>> strict = torch.tensor([1.0, 0.0, 1.0, 1.0])
+        >>> partial = torch.tensor([1.0, 0.5, float("nan"), 0.5])
+        >>> out = gdpo_advantages(torch.stack([strict, partial]), [1.0, 0.5], torch.tensor([0, 0, 1, 1]))
+        >>> [round(a, 4) for a in out.advantages.tolist()]
+        [1.4141, -1.4141, 0.0, 0.0]
+        >>> out.scored.tolist(), out.empty_groups.tolist()
+        ([True, True, True, True], [0, 0])
+    """
+    if components.ndim != 2:
+        raise ValueError(f"components must be 2-D (C, N), got shape {tuple(components.shape)}")
+    weights = torch.as_tensor(weights, dtype=torch.float64, device=components.device)
+    if weights.shape != (components.shape[0],):
+        raise ValueError(
+            f"weights {tuple(weights.shape)} must have one entry per component ({components.shape[0]})"
+        )
+    if group_ids.shape != components.shape[1:]:
+        raise ValueError(
+            f"group_ids {tuple(group_ids.shape)} must have shape (N,) = ({components.shape[1]},)"
+        )
+    if group_ids.dtype.is_floating_point or group_ids.dtype.is_complex or group_ids.dtype == torch.bool:
+        raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
+    if std not in ("global", "group"):
+        raise ValueError(f"std ({std!r}) must be 'global' or 'group'")
+    if not eps >= 0:
+        raise ValueError(f"eps ({eps}) must be >= 0")
+    out_dtype = components.dtype if components.dtype.is_floating_point else torch.float32
+    count_c, n = components.shape
+    if n == 0:
+        empty = torch.zeros(count_c, dtype=torch.long, device=components.device)
+        return GDPOAdvantages(components.new_zeros(0, dtype=out_dtype), group_ids.bool(), empty)
+
+    finite = torch.isfinite(components)  # (C, N)
+    r = torch.where(finite, components.to(torch.float64), 0.0)  # fp64: exact enough for any batch
+    ones = finite.to(torch.float64)
+    _, group = torch.unique(group_ids, return_inverse=True)  # (N,) dense ids 0..G-1
+    num_groups = int(group.max()) + 1
+
+    def per_group(x: Tensor) -> Tensor:  # (C, N) -> (C, G) sums over each group's samples
+        return torch.zeros(count_c, num_groups, dtype=x.dtype, device=x.device).index_add_(1, group, x)
+
+    count = per_group(ones)
+    mean = per_group(r) / count.clamp_min(1)
+    centred = torch.where(finite, r - mean[:, group], 0.0)  # (C, N), 0 where the component failed
+    if std == "group":
+        scale = torch.sqrt(per_group(centred**2) / count.clamp_min(1))[:, group]
+    else:
+        n_k = ones.sum(dim=1, keepdim=True).clamp_min(1)
+        spread = torch.where(finite, r - r.sum(dim=1, keepdim=True) / n_k, 0.0)
+        scale = torch.sqrt((spread**2).sum(dim=1, keepdim=True) / n_k)  # (C, 1)
+    combined = (weights[:, None] * (centred / (scale + eps))).sum(dim=0)  # (N,) fp64
+    scored = finite.any(dim=0)
+    batch_std = combined[scored].std(correction=0) if bool(scored.any()) else combined.new_zeros(())
+    advantages = torch.where(scored, combined / (batch_std + eps), 0.0)
+    return GDPOAdvantages(advantages.to(out_dtype), scored, (count == 0).sum(dim=1))
 
 
 @dataclass

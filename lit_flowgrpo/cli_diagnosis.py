@@ -9,7 +9,9 @@ choices nor the fix. After such a failure the CLI reads the same words again, na
   with the closest one first (``lit_flowgrpo.policies.SD3Polcy``);
 - an objective by its registered name where a class path is expected (``--model.objective=grpo_guard``);
 - a setting that was removed (``--model.loss``) or is misspelt (``--model.sampler.num_stpes``): the
-  flag that replaced it, or the closest settings of that class.
+  flag that replaced it, or the closest settings of that class;
+- a value outside a setting's fixed choices (a ``Literal``, ``--model.advantage.aggregation=gpdo``):
+  the choices, the closest first.
 
 Only the failure path runs this, and only what it can name replaces jsonargparse's message: a
 valid config never depends on it, and a mistake it does not know still gets jsonargparse's report.
@@ -26,6 +28,7 @@ import math
 import os
 import pkgutil
 import re
+import types
 import typing
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -63,7 +66,7 @@ def diagnose(words: Sequence[str]) -> list[str]:
                 problems.append(found)
                 break
         else:
-            found = _unknown_setting(key, class_paths)
+            found = _unknown_setting(key, class_paths, value)
             if found:
                 problems.append(found)
     return list(dict.fromkeys(problems))
@@ -220,8 +223,9 @@ def _reward_weight(key: str, flag: str, value: Any) -> str | None:
     )
 
 
-def _unknown_setting(key: str, class_paths: dict[str, str]) -> str | None:
-    """A key that is no argument of its class: the closest arguments that are."""
+def _unknown_setting(key: str, class_paths: dict[str, str], value: Any = None) -> str | None:
+    """A key that is no argument of its class: the closest arguments that are; or a value that is not
+    among the fixed choices of the argument it names."""
     parts = _path(key).split(".")
     root = parts[0]
     path = class_paths.get(root) or _ROOTS.get(root)
@@ -253,7 +257,7 @@ def _unknown_setting(key: str, class_paths: dict[str, str]) -> str | None:
             )
             return f"{_flag(key)}: {cls.__name__} has no setting {name!r}; {hint}{listed}"
         if depth == len(parts) - 1:
-            return None
+            return _choice(parts, hints.get(name), value)
         # Descend into the argument's own class: a dataclass field or a class the config names.
         nxt = hints.get(name)
         if nested:
@@ -265,6 +269,39 @@ def _unknown_setting(key: str, class_paths: dict[str, str]) -> str | None:
             return None
         cls = nxt
     return None
+
+
+def _choice(parts: list[str], hint: Any, value: Any) -> str | None:
+    """A value that is none of a ``Literal`` setting's choices: the choices, the closest first."""
+    choices = _literal_choices(hint)
+    if choices is None or value in choices:
+        return None
+    flag = _canonical_flag(parts)
+    shown = [c for c in choices if c is not None]
+    close = difflib.get_close_matches(str(value), [str(c) for c in shown], n=1, cutoff=0.6)
+    listed = ", ".join(str(c) for c in shown) + (", or null" if None in choices else "")
+    hint_text = f"; did you mean {flag}={close[0]}?" if close else ""
+    return f"{flag} ({value}) must be one of {listed}{hint_text}"
+
+
+def _literal_choices(hint: Any) -> list[Any] | None:
+    """The values a ``Literal`` (or an optional one) allows; ``None`` for any other type."""
+    if typing.get_origin(hint) is typing.Literal:
+        return list(typing.get_args(hint))
+    members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else ()
+    if not members or not all(m is type(None) or typing.get_origin(m) is typing.Literal for m in members):
+        return None
+    return [c for m in members for c in (typing.get_args(m) if m is not type(None) else (None,))]
+
+
+def _canonical_flag(parts: list[str]) -> str:
+    """A module setting in the spelling the error messages use (:func:`lit_flowgrpo.errors.flag`):
+    ``model.advantage.aggregation`` → ``--model.init_args.advantage.aggregation``."""
+    if parts[0] != "model" or len(parts) < 3:
+        return "--" + ".".join(parts)
+    from lit_flowgrpo.errors import flag
+
+    return ".".join([flag(parts[1]), *parts[2:]])
 
 
 def _arguments(cls: Any) -> tuple[list[str], dict[str, Any]]:

@@ -6,8 +6,9 @@ the module gathers rewards before computing advantages, so that is fine.
 
 Everything is a pure function of (seed, step): the prompts of step s, the order of its samples and
 each sample's id (which seeds its noise) never depend on the number of ranks or on what ran before,
-so a resumed run draws exactly what an uninterrupted one would. The datasets are iterable, so
-Lightning never injects its `DistributedSampler` between the groups.
+so a resumed run draws exactly what an uninterrupted one would; so does the seed of a group's shared
+initial noise (``same_initial_noise``), a function of (seed, step, group id). The datasets are
+iterable, so Lightning never injects its `DistributedSampler` between the groups.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class PromptBatch:
     """Index of this rollout batch in the sampler's stream (validation: the batch index)."""
     seeds: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     """(B,) int64: per-sample noise seed, derived from (seed, step, sample id)."""
+    initial_seeds: Tensor | None = None
+    """(B,) int64 or ``None``: the seed of each sample's initial noise when the samples of a group
+    share it (``same_initial_noise``), derived from (seed, step, group id); ``seeds`` then draws only
+    the noise of the stochastic steps. ``None``: ``seeds`` draws the initial noise too."""
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -123,6 +128,13 @@ def sample_seed(seed: int, step: int, sample_id: int) -> int:
     return _mix(seed, step, sample_id, 0x5EED)
 
 
+def group_seed(seed: int, step: int, group_id: int) -> int:
+    """The seed of a group's shared initial noise: independent of rank, batch composition and resume,
+    and of every :func:`sample_seed` (another salt), so the shared start and the stochastic steps'
+    noise are drawn from unrelated streams."""
+    return _mix(seed, step, group_id, 0x6E0A)
+
+
 class GroupSampler:
     """Which prompts each rank generates at each step.
 
@@ -187,15 +199,19 @@ class GroupSampler:
 
 
 class _TrainStream(IterableDataset):
-    def __init__(self, records: list[dict[str, Any]], sampler: GroupSampler, start_step: int) -> None:
+    def __init__(
+        self, records: list[dict[str, Any]], sampler: GroupSampler, start_step: int, same_initial_noise: bool
+    ) -> None:
         self.records = records
         self.sampler = sampler
         self.start_step = start_step
+        self.same_initial_noise = same_initial_noise
 
     def __iter__(self) -> Iterator[PromptBatch]:
         step = self.start_step
         while True:
-            yield _make_batch(self.records, *self.sampler.step_indices(step), step, self.sampler.seed)
+            indices = self.sampler.step_indices(step)
+            yield _make_batch(self.records, *indices, step, self.sampler.seed, self.same_initial_noise)
             step += 1
 
 
@@ -206,10 +222,14 @@ def _make_batch(
     sample_ids: Tensor,
     step: int,
     seed: int,
+    same_initial_noise: bool = False,
 ) -> PromptBatch:
     chosen = [records[i] for i in indices]
     metadata = [{k: v for k, v in r.items() if k != "prompt"} for r in chosen]
     seeds = torch.tensor([sample_seed(seed, step, int(s)) for s in sample_ids], dtype=torch.long)
+    initial = None
+    if same_initial_noise:
+        initial = torch.tensor([group_seed(seed, step, int(g)) for g in group_ids], dtype=torch.long)
     return PromptBatch(
         prompts=[r["prompt"] for r in chosen],
         metadata=metadata,
@@ -217,6 +237,7 @@ def _make_batch(
         sample_ids=sample_ids.long(),
         step=step,
         seeds=seeds,
+        initial_seeds=initial,
     )
 
 
@@ -283,6 +304,10 @@ class PromptDataModule(L.LightningDataModule):
         val_batch_size: samples per validation batch and rank.
         max_val_prompts: use only the first this many validation prompts (``None``: all).
         seed: seeds prompt order and all sampling noise.
+        same_initial_noise: the samples of a training group start from one initial noise, drawn per
+            group from (seed, step, group id), so their differences come from the stochastic steps
+            alone (flow_grpo's ``same_latent``, DanceGRPO's ``use_same_noise``); the stochastic steps'
+            noise stays each sample's own. Validation keeps one noise per (prompt, seed) pair.
     """
 
     def __init__(
@@ -295,6 +320,7 @@ class PromptDataModule(L.LightningDataModule):
         val_batch_size: int = 16,
         max_val_prompts: int | None = None,
         seed: int = 0,
+        same_initial_noise: bool = False,
     ) -> None:
         super().__init__()
         problems = []
@@ -319,6 +345,7 @@ class PromptDataModule(L.LightningDataModule):
         self.val_batch_size = val_batch_size
         self.max_val_prompts = max_val_prompts
         self.seed = seed
+        self.same_initial_noise = same_initial_noise
         # Read now: an empty or missing prompt file fails before any model is loaded.
         self.train_records = read_prompts(train, "--data.train")
         self.val_records = read_prompts(val, "--data.val") if val else []
@@ -341,7 +368,7 @@ class PromptDataModule(L.LightningDataModule):
         sampler = GroupSampler(
             len(self.train_records), self.prompts_per_step, self.group_size, world_size, rank, self.seed
         )
-        stream = _TrainStream(self.train_records, sampler, start_step=self._next_step)
+        stream = _TrainStream(self.train_records, sampler, self._next_step, self.same_initial_noise)
         return DataLoader(stream, batch_size=None, collate_fn=_identity)
 
     def val_dataloader(self) -> DataLoader | list:

@@ -140,7 +140,7 @@ class FlowGRPOModule(L.LightningModule):
 
     def _problems(self) -> list[str]:
         """Every settings problem, each naming its flag, found before any weight is read."""
-        p = self.sampler.problems() + self.advantage.problems() + self.update.problems()
+        p = self.sampler.problems() + self.advantage.problems(reward=self.reward) + self.update.problems()
         p += self.performance.problems(
             full_fine_tune=self.weights.lora is None,
             masked_prompts=getattr(self.policy, "masked_prompts", False),
@@ -148,7 +148,7 @@ class FlowGRPOModule(L.LightningModule):
         p += self.objective.problems(self.sampler.sde_type)
         p += self.objective.sampler_problems(self.sampler)
         p += self.weights.problems(self.objective.uses_reference)
-        p += self.policy.problems() + self.policy.image_size_problems(self.sampler.height, self.sampler.width)
+        p += self.policy.problems() + self.sampler.image_size_problems(self.policy)
         weights = getattr(self.reward, "weights", None)
         if isinstance(weights, dict) and weights and not any(weights.values()):
             p.append(f"{flag('reward')}.weights are all 0 ({weights}): the reward is 0 by construction")
@@ -244,6 +244,7 @@ class FlowGRPOModule(L.LightningModule):
                     self.policy,
                     embeds,
                     batch.seeds,
+                    initial_seeds=batch.initial_seeds,
                     step=batch.step,
                     seed=self.seed,
                     record=self.objective.rollout_records(self.diagnostics),
@@ -291,30 +292,18 @@ class FlowGRPOModule(L.LightningModule):
 
     def _advantages(self, rewards: RewardOutput, batch: PromptBatch) -> tuple[Tensor, Tensor]:
         """Group advantages from every rank's rewards; returns this rank's (advantages, keep mask)."""
-        local = rewards.total.to(self.device, torch.float32)  # (B,)
         group_ids = batch.group_ids.to(self.device)
-        valid = torch.isfinite(local)
-        dp = self.data_parallel
-        gathered = dp.gather(torch.stack([local, group_ids.float()]))  # (2, W·B)
-        adv, failure_rate = self.advantage.advantages(gathered[0], gathered[1].long())
-        dropped = int((~valid).sum())
-        if dropped:
-            self._counters["dropped_samples"] += dropped
-            rank_zero_warn(
-                f"{dropped} of {len(local)} samples have no finite reward: dropped from the advantages"
-            )
-        mine = dp.mine(adv, len(local))
-        keep = valid & (mine != 0) if self.advantage.filter_zero else valid
+        adv = self.advantage.for_batch(rewards, group_ids, self.reward, self.data_parallel)
+        self._counters["dropped_samples"] += adv.dropped
+        keep = adv.scored & (adv.values != 0) if self.advantage.filter_zero else adv.scored
         # Every sample goes in, so the metric counts the unscored ones (critic/rewards/nonfinite_count);
         # it reduces groups exactly across ranks.
-        self.reward_stats.update(
-            local, group_ids, mine, components={k: v.to(self.device) for k, v in rewards.components.items()}
-        )
-        # reward/failure_rate over all ranks; per-reward failure rates and latencies of this rank.
+        components = {k: v.to(self.device) for k, v in rewards.components.items()}
+        self.reward_stats.update(rewards.total.to(self.device), group_ids, adv.values, components=components)
+        # Per-reward failure rates and latencies of this rank; the advantage stage's over all ranks.
         values = {k: v for k, v in rewards.log_dict().items() if k.startswith("reward/")}
-        values["reward/failure_rate"] = failure_rate
-        self.log_dict(values, on_step=True, on_epoch=False)
-        return mine, keep
+        self.log_dict({**values, **adv.log}, on_step=True, on_epoch=False)
+        return adv.values, keep
 
     def _update(self, rollout: RolloutBatch, step: int) -> UpdateResult:
         opt, sched = self.optimizers(), self.lr_schedulers()

@@ -52,13 +52,16 @@ class Sampler:
             the rest are ODE steps and nothing of them is stored.
         sde_window_range: ``(lo, hi)``: the window starts at a step in [lo, hi − size], drawn per
             rollout from the seed.
-        height: image height in pixels.
-        width: image width in pixels.
+        height: image height in pixels of the rollout.
+        width: image width in pixels of the rollout.
         batch_size: samples per transformer forward in the rollout and in validation (``None``: the
             whole per-rank batch at once). Each sample's noise comes from its own seed, so this only
             trades memory for speed.
         eval_num_steps: ODE steps of validation sampling.
         eval_guidance_scale: CFG scale of validation; ``None`` uses ``guidance_scale``.
+        eval_height: image height of validation; ``None`` uses ``height``. Rollouts at a lower
+            resolution than the one the model is judged at make each rollout cheaper.
+        eval_width: image width of validation; ``None`` uses ``width``.
     """
 
     num_steps: int = 10
@@ -73,6 +76,8 @@ class Sampler:
     batch_size: int | None = None
     eval_num_steps: int = 40
     eval_guidance_scale: float | None = None
+    eval_height: int | None = None
+    eval_width: int | None = None
 
     def __post_init__(self) -> None:
         if self.sde_window_range is not None:
@@ -84,6 +89,11 @@ class Sampler:
         for name in ("num_steps", "eval_num_steps", "height", "width"):
             if getattr(self, name) < 1:
                 p.append(f"{flag}.{name} ({getattr(self, name)}) must be at least 1")
+        for name in ("eval_height", "eval_width"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                p.append(
+                    f"{flag}.{name} ({getattr(self, name)}) must be at least 1, or null to use {name[5:]}"
+                )
         if self.batch_size is not None and self.batch_size < 1:
             p.append(f"{flag}.batch_size ({self.batch_size}) must be at least 1, or null for the whole batch")
         if not self.noise_level > 0:
@@ -107,9 +117,28 @@ class Sampler:
                 )
         return p
 
+    def image_size_problems(self, policy: FlowPolicy, flag: str = "--model.init_args.sampler") -> list[str]:
+        """The policy's objections to the rollout and validation image sizes (before any weight is read)."""
+        p = policy.image_size_problems(self.height, self.width)
+        flags = (f"{flag}.eval_height", f"{flag}.eval_width")
+        own = tuple(
+            f for f, v in zip(flags, (self.eval_height, self.eval_width), strict=True) if v is not None
+        )
+        if own:  # a dimension left null is the rollout's, already checked above
+            p += [m for m in policy.image_size_problems(*self.eval_size, flags=flags) if m.startswith(own)]
+        return p
+
     @property
     def eval_guidance(self) -> float:
         return self.guidance_scale if self.eval_guidance_scale is None else self.eval_guidance_scale
+
+    @property
+    def eval_size(self) -> tuple[int, int]:
+        """(height, width) of validation images."""
+        return (
+            self.height if self.eval_height is None else self.eval_height,
+            self.width if self.eval_width is None else self.eval_width,
+        )
 
     def settings(self) -> dict[str, object]:
         """Plain values for checkpoints and loggers."""
@@ -139,6 +168,7 @@ class Sampler:
         seed: int,
         record: Collection[Record] = ("transitions",),
         on_chunk: Callable[[slice, Tensor], None] | None = None,
+        initial_seeds: Tensor | None = None,
     ) -> tuple[Trajectory, Tensor]:
         """Sample the training batch, recording its trained steps; returns (trajectory, images).
 
@@ -153,6 +183,9 @@ class Sampler:
                 log-prob, std, √dt) and ``"means"`` (μ_old); the final latent is always kept.
             on_chunk: called with (rows, images) right after each chunk of ``batch_size`` samples is
                 decoded, before the next one samples (the reward scores it meanwhile).
+            initial_seeds: (B,) seeds of the initial noise alone (equal within a group for a shared
+                start, :attr:`~lit_flowgrpo.data.PromptBatch.initial_seeds`); ``seeds`` then draws only
+                the noise of the stochastic steps. ``None``: each sample's own seed draws both, in turn.
         """
         sde_steps, train_steps = self.plan(step, seed)
         transformer = policy.transformer
@@ -163,7 +196,12 @@ class Sampler:
             for rows in self._chunks(len(seeds)):
                 device = _device(policy)
                 generators = per_sample_generators(seeds[rows], device)
-                noise = initial_noise(policy.latent_shape(self.height, self.width), generators, device)
+                starts = (
+                    generators
+                    if initial_seeds is None
+                    else per_sample_generators(initial_seeds[rows], device)
+                )
+                noise = initial_noise(policy.latent_shape(self.height, self.width), starts, device)
                 traj = sample_trajectory(
                     policy,
                     index_embeds(embeds, rows),
@@ -195,7 +233,8 @@ class Sampler:
         noise_device: torch.device | str | None = None,
         to_cpu: bool = False,
     ) -> Tensor:
-        """Images (B, 3, H, W) in [0, 1] sampled with the deterministic ODE (validation, evaluation).
+        """Images (B, 3, H, W) in [0, 1] sampled with the deterministic ODE (validation, evaluation),
+        at :attr:`eval_size`.
 
         Args:
             policy: the model family.
@@ -206,15 +245,16 @@ class Sampler:
             to_cpu: move each chunk's images to the host as it is done (long evaluations).
         """
         out = []
+        height, width = self.eval_size
         for rows in self._chunks(len(prompts)):
             device = _device(policy)
             generators = per_sample_generators(seeds[rows], noise_device or device)
-            noise = initial_noise(policy.latent_shape(self.height, self.width), generators, device)
+            noise = initial_noise(policy.latent_shape(height, width), generators, device)
             traj = sample_trajectory(
                 policy,
                 policy.encode_prompts([prompts[i] for i in range(rows.start, rows.stop)]),
                 noise,
-                policy.sigmas(self.eval_num_steps, self.height, self.width),
+                policy.sigmas(self.eval_num_steps, height, width),
                 guidance_scale=self.eval_guidance,
                 noise_level=self.noise_level,  # unused: no step is stochastic
                 sde_type=self.sde_type,

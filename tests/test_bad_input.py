@@ -323,3 +323,70 @@ def test_nan_reward_weight_in_yaml(run, tmp_path: Path) -> None:
     )
     err = run("--config", str(override))
     assert "--model.init_args.reward.init_args.weights gives 'jpeg_compressibility' the weight nan" in err
+
+
+# -- the reward-hacking controls: advantage aggregation, evaluation size ----------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        # the tiny config's MultiReward weights one reward: GDPO has nothing to decouple
+        (
+            ["--model.init_args.advantage.aggregation=gdpo"],
+            r"--model\.init_args\.advantage\.aggregation=gdpo normalises each weighted reward component on "
+            r"its own and needs at least two, but --model\.init_args\.reward\.init_args\.weights gives 1",
+        ),
+        (
+            [
+                "--model.init_args.reward.init_args.weights={jpeg_compressibility: 1.0, jpeg_incompressibility: 0}",
+                "--model.init_args.advantage.aggregation=gdpo",
+            ],
+            r"--model\.init_args\.reward\.init_args\.weights gives 1 a non-zero weight",
+        ),
+        (
+            [
+                "--model.init_args.reward=lit_flowgrpo.rewards.jpeg.JpegCompressibility",
+                "--model.init_args.advantage.aggregation=gdpo",
+            ],
+            r"--model\.init_args\.reward is a plain callable \(one total\): give a MultiReward",
+        ),
+        (
+            ["--model.init_args.advantage.aggregation=gpdo"],
+            r"--model\.init_args\.advantage\.aggregation \(gpdo\) must be one of sum, gdpo; did you mean "
+            r"--model\.init_args\.advantage\.aggregation=gdpo\?",
+        ),
+        (
+            ["--model.init_args.advantage.aggregation=mean"],
+            r"--model\.init_args\.advantage\.aggregation \(mean\) must be one of sum, gdpo$",
+        ),
+        (
+            ["--model.init_args.sampler.eval_height=40"],
+            r"--model\.init_args\.sampler\.eval_height \(40\) must be a positive multiple of 16 for SD3Policy",
+        ),
+        (
+            ["--model.init_args.sampler.eval_width=24", "--model.init_args.sampler.eval_height=64"],
+            r"--model\.init_args\.sampler\.eval_width \(24\) must be a positive multiple of 16",
+        ),
+        (
+            ["--model.init_args.sampler.eval_width=0"],
+            r"--model\.init_args\.sampler\.eval_width \(0\) must be at least 1, or null to use width",
+        ),
+    ],
+    ids=[
+        "gdpo_one_weight",
+        "gdpo_one_nonzero_weight",
+        "gdpo_plain_reward",
+        "aggregation_typo",
+        "aggregation_unknown",
+        "eval_height",
+        "eval_width",
+        "eval_width_0",
+    ],
+)
+def test_reward_hacking_controls_are_checked_before_loading(run, flags, expected) -> None:
+    import re
+
+    err = run(*flags)
+    assert re.search(expected, err, flags=re.M), err
+    assert "eval_height (64)" not in err  # a good size is not named

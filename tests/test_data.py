@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 
-from lit_flowgrpo.data import GroupSampler, PromptBatch, PromptDataModule, sample_seed
+from lit_flowgrpo.data import GroupSampler, PromptBatch, PromptDataModule, group_seed, sample_seed
 
 # 13 prompts against 3 per step: cycles end mid-step, so steps straddle two permutations.
 NUM_PROMPTS, M, K = 13, 3, 4
@@ -226,3 +226,55 @@ def test_validation_pairs_each_prompt_with_each_seed_once_over_the_ranks(prompts
     # Each sample has its own noise, the same at every validation (before and after training).
     assert len({seed for *_, seed in items}) == len(items)
     assert [row for rank in range(3) for row in rows(rank)] == items
+
+
+# ------------------------------------------------------------------ shared initial noise
+
+
+def test_same_initial_noise_is_one_seed_per_group_whatever_the_ranks(prompts_jsonl: str) -> None:
+    dm = PromptDataModule(prompts_jsonl, prompts_per_step=M, group_size=K, seed=11, same_initial_noise=True)
+    one = _rank_batches(dm, 1, 0, steps=4)
+    for world in (2, 3, 6):
+        parts = [_rank_batches(dm, world, rank, steps=4) for rank in range(world)]
+        for step in range(4):
+            dealt = [
+                (s, i)
+                for p in parts
+                for s, i in zip(p[step].sample_ids.tolist(), p[step].initial_seeds.tolist(), strict=True)
+            ]
+            # The ranks' slices together are the one-rank batch, initial seeds included.
+            assert dealt == list(
+                zip(one[step].sample_ids.tolist(), one[step].initial_seeds.tolist(), strict=True)
+            )
+    for step, batch in enumerate(one):
+        by_group = {}
+        for g, i in zip(batch.group_ids.tolist(), batch.initial_seeds.tolist(), strict=True):
+            by_group.setdefault(g, set()).add(i)
+        # One start per group, from (seed, step, group id); distinct across groups and steps.
+        assert by_group == {g: {group_seed(11, step, g)} for g in by_group} and len(by_group) == M
+        # The stochastic steps' noise stays each sample's own: the per-sample seeds are unchanged.
+        assert batch.seeds.tolist() == [sample_seed(11, step, s) for s in batch.sample_ids.tolist()]
+        assert not set(batch.seeds.tolist()) & set(batch.initial_seeds.tolist())
+    assert len({i for b in one for i in b.initial_seeds.tolist()}) == 4 * M
+
+
+def test_same_initial_noise_resumes_and_is_off_by_default(prompts_jsonl: str) -> None:
+    dm = PromptDataModule(prompts_jsonl, prompts_per_step=M, group_size=K, seed=2, same_initial_noise=True)
+    uninterrupted = _rank_batches(dm, 1, 0, steps=6)
+    dm._next_step = 4
+    restored = PromptDataModule(
+        prompts_jsonl, prompts_per_step=M, group_size=K, seed=2, same_initial_noise=True
+    )
+    restored.load_state_dict(dm.state_dict())
+    resumed = _rank_batches(restored, 1, 0, steps=2)
+    assert [b.initial_seeds.tolist() for b in resumed] == [
+        b.initial_seeds.tolist() for b in uninterrupted[4:]
+    ]
+    # Off, the batches are those of before the setting existed: no initial seeds, the same samples.
+    plain = _rank_batches(PromptDataModule(prompts_jsonl, prompts_per_step=M, group_size=K, seed=2), 1, 0, 6)
+    assert all(b.initial_seeds is None for b in plain)
+    assert [_rows(b) for b in plain] == [_rows(b) for b in uninterrupted]
+    # Validation keeps one noise per (prompt, seed) pair.
+    dm = PromptDataModule(prompts_jsonl, val=prompts_jsonl, seed=2, same_initial_noise=True)
+    dm.trainer = SimpleNamespace(world_size=1, global_rank=0, training=False)
+    assert all(b.initial_seeds is None for b in dm.val_dataloader())

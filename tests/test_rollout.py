@@ -84,3 +84,81 @@ def test_plan_trains_a_fraction_or_a_window() -> None:
 def test_cfg_forwards_counts_the_batched_halves() -> None:
     assert cfg_forwards(Field(), 4.5) == 2
     assert cfg_forwards(Field(), 1.0) == 1
+
+
+class Pixels:
+    """A policy stand-in for Sampler.rollout and evaluate: latents are (3, h/4, w/4), decoded by
+    repetition, and the only parameter is there to say the device."""
+
+    uses_cfg_batch = True
+
+    image_size_multiple, image_size_reason = 4, ""
+
+    def __init__(self) -> None:
+        self.transformer = torch.nn.Linear(1, 1)
+
+    def velocity(self, x: Tensor, sigma: Tensor, embeds: dict, guidance: float) -> Tensor:
+        return torch.tanh(x * embeds["scale"].view(-1, 1, 1, 1)) + sigma.view(-1, 1, 1, 1)
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        return (3, height // 4, width // 4)
+
+    def sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
+        return torch.linspace(1.0, 0.0, num_steps + 1)
+
+    def encode_prompts(self, prompts: list[str]) -> dict:
+        return {"scale": torch.linspace(0.5, 2.0, len(prompts))}
+
+    def decode(self, latents: Tensor) -> Tensor:
+        return latents.repeat_interleave(4, dim=-1).repeat_interleave(4, dim=-2).sigmoid()
+
+    def image_size_problems(self, height, width, flags=("h", "w")):
+        from lit_flowgrpo.policies.base import FlowPolicy
+
+        return FlowPolicy.image_size_problems(self, height, width, flags)
+
+
+def test_initial_seeds_share_the_start_and_nothing_else() -> None:
+    sampler = Sampler(num_steps=3, timestep_fraction=1.0, height=8, width=8, batch_size=3)
+    seeds = torch.tensor([11, 12, 13, 14, 15, 16])
+    starts = torch.tensor([5, 5, 5, 9, 9, 9])  # two groups of three
+    embeds = {"scale": torch.ones(6)}  # one prompt: only the noise tells the samples apart
+    traj, images = sampler.rollout(Pixels(), embeds, seeds, step=0, seed=0, initial_seeds=starts)
+    x_t = traj.latents[:, 0]  # step 0 is trained: the recorded x at σ = 1 is the initial noise
+    assert torch.equal(x_t[0], x_t[1]) and torch.equal(x_t[0], x_t[2]) and torch.equal(x_t[3], x_t[5])
+    assert not torch.equal(x_t[0], x_t[3])
+    # The stochastic steps draw each sample's own noise: the samples of a group part at the first step.
+    assert all(not torch.equal(traj.next_latents[i, 0], traj.next_latents[i + 1, 0]) for i in (0, 3))
+    # The start is the one a sample seeded with its group's seed draws; without initial seeds, as before.
+    alone, _ = sampler.rollout(Pixels(), embeds, starts, step=0, seed=0)
+    assert torch.equal(x_t, alone.latents[:, 0])
+    before, _ = sampler.rollout(Pixels(), embeds, seeds, step=0, seed=0)
+    assert all(not torch.equal(before.latents[i, 0], before.latents[i + 1, 0]) for i in range(5))
+    # The chunking (batch_size) does not change which start a sample gets.
+    whole, _ = Sampler(num_steps=3, timestep_fraction=1.0, height=8, width=8).rollout(
+        Pixels(), embeds, seeds, step=0, seed=0, initial_seeds=starts
+    )
+    assert torch.equal(whole.latents, traj.latents) and images.shape == (6, 3, 8, 8)
+
+
+def test_validation_samples_at_its_own_size() -> None:
+    sampler = Sampler(num_steps=2, eval_num_steps=2, height=8, width=8, eval_height=12, eval_width=16)
+    assert sampler.eval_size == (12, 16)
+    images = sampler.evaluate(Pixels(), ["a", "b"], torch.tensor([1, 2]))
+    assert images.shape == (2, 3, 12, 16)
+    _, rollout = sampler.rollout(Pixels(), {"scale": torch.ones(2)}, torch.tensor([1, 2]), step=0, seed=0)
+    assert rollout.shape == (2, 3, 8, 8)
+    assert Sampler(height=8, width=12, eval_width=16).eval_size == (8, 16)  # null: the rollout's
+
+
+def test_eval_sizes_are_checked_against_the_policy_under_their_own_flags() -> None:
+    flag = "--model.init_args.sampler"
+    assert Sampler(height=8, width=8, eval_height=12).image_size_problems(Pixels()) == []
+    (problem,) = Sampler(height=8, width=8, eval_height=10).image_size_problems(Pixels())
+    assert problem.startswith(f"{flag}.eval_height (10) must be a positive multiple of 4")
+    # A bad rollout size is named once, under its own flag, even where eval sizes default to it.
+    problems = Sampler(height=10, width=8, eval_width=6).image_size_problems(Pixels())
+    assert [p.split(" ")[0] for p in problems] == ["h", f"{flag}.eval_width"]
+    assert Sampler(eval_height=0).problems() == [
+        f"{flag}.eval_height (0) must be at least 1, or null to use height"
+    ]

@@ -239,16 +239,19 @@ class FlowPolicy(nn.Module, ABC):
         """Configuration problems found without loading anything (empty when fine)."""
         return []
 
-    def image_size_problems(self, height: int, width: int) -> list[str]:
+    def image_size_problems(
+        self, height: int, width: int, flags: tuple[str, str] = (HEIGHT_FLAG, WIDTH_FLAG)
+    ) -> list[str]:
         """Problems with an image size for this family, found before :meth:`load` (empty when fine).
 
         Checks the family's constant :attr:`image_size_multiple`; once loaded, :meth:`latent_shape`
-        checks the loaded checkpoint's own factors too (a tiny test model may need less).
+        checks the loaded checkpoint's own factors too (a tiny test model may need less). ``flags``:
+        the settings the height and width come from, which the messages name.
         """
         multiple = self.image_size_multiple
         why = f" ({self.image_size_reason})" if self.image_size_reason else ""
         out = []
-        for flag, value in ((HEIGHT_FLAG, height), (WIDTH_FLAG, width)):
+        for flag, value in zip(flags, (height, width), strict=True):
             if isinstance(value, bool) or not isinstance(value, int):
                 out.append(f"{flag} ({value!r}) must be an integer number of pixels")
             elif value < multiple or value % multiple:

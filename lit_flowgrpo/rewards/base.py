@@ -387,19 +387,33 @@ class MultiReward:
         """The key of one reward's component in :attr:`RewardOutput.components`."""
         return name if component is None else f"{name}/{component}"
 
+    def weighted_components(self, components: Mapping[str, Tensor]) -> dict[str, tuple[float, Tensor]]:
+        """The terms of :attr:`RewardOutput.total`: ``{component key: (weight, (B,) values)}`` for every
+        non-zero weight, in the order of :attr:`weights` (a weight that names a reward applies to its
+        primary component; two weights that name one component add up)."""
+        out: dict[str, tuple[float, Tensor]] = {}
+        for key, weight in self.weights.items():
+            found, value = self._weighted(key, components)
+            if weight != 0:
+                out[found] = (out[found][0] + weight, value) if found in out else (weight, value)
+        return out
+
+    def _weighted(self, key: str, components: Mapping[str, Tensor]) -> tuple[str, Tensor]:
+        """The component a weight's ``key`` applies to: (its key in ``components``, its values)."""
+        if key in components:
+            return key, components[key]
+        primary = getattr(self.rewards[key], "primary", None) if key in self.rewards else None
+        if primary and f"{key}/{primary}" in components:
+            return f"{key}/{primary}", components[f"{key}/{primary}"]
+        raise ValueError(
+            f"--model.init_args.reward.init_args.weights names {key!r}, but the reward produced {sorted(components)}: "
+            "weight one of those"
+        )
+
     def _total(self, components: dict[str, Tensor], batch: int) -> Tensor:
         total = torch.zeros(batch)
         for key, weight in self.weights.items():
-            value = components.get(key)
-            if value is None:
-                reward = self.rewards[key]
-                primary = getattr(reward, "primary", None)
-                value = components.get(f"{key}/{primary}") if primary else None
-            if value is None:
-                raise ValueError(
-                    f"--model.init_args.reward.init_args.weights names {key!r}, but the reward produced {sorted(components)}: "
-                    "weight one of those"
-                )
+            _, value = self._weighted(key, components)
             if weight != 0:
                 total = total + weight * value  # NaN propagates: the sample is dropped, never scored 0
         return total
@@ -429,6 +443,9 @@ class CallableReward(MultiReward):
 
     def _key(self, name: str, component: str | None) -> str:
         return name if component is None else component
+
+    def weighted_components(self, components: Mapping[str, Tensor]) -> dict[str, tuple[float, Tensor]]:
+        return {key: (1.0, value) for key, value in components.items()}
 
     def _total(self, components: dict[str, Tensor], batch: int) -> Tensor:
         total = torch.zeros(batch)
