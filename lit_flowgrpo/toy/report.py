@@ -120,7 +120,7 @@ class HeldOutReport(L.Callback):
         have = sum(len(x) for x in self._images)
         if have < self.num_images:
             take = self.num_images - have
-            self._images.append(outputs["images"][:take])
+            self._images.append(outputs["images"][:take].detach().cpu())  # the picture is drawn on the host
             self._prompts.extend(outputs["prompts"][:take])
             self._passed.append(outputs["rewards"][self.component][:take].float().cpu() > 0.5)
 
