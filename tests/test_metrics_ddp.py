@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
+from lit_flowgrpo.diversity import GroupDiversity, ReferenceDrift
 from lit_flowgrpo.metrics import FlowDPPOStats, PolicyRatioStats, RewardGroupStats
 
 WORLD = 2
@@ -75,6 +76,30 @@ def _dppo_tokens(seed: int) -> dict[str, Tensor]:
     return data
 
 
+def _features(seed: int) -> dict[str, Tensor]:
+    # ids first: the sharding reads the sample count from the first tensor
+    gen = torch.Generator().manual_seed(seed)
+    group_ids = torch.arange(12).repeat_interleave(5) * 3 + 1  # 12 groups of 5, spread over both ranks
+    features = torch.rand(group_ids.numel(), 7, generator=gen, dtype=torch.float64)
+    features[9, 2] = math.nan
+    return {"group_ids": group_ids, "sample_ids": torch.arange(group_ids.numel()), "features": features}
+
+
+def _feed_features(metric: GroupDiversity | ReferenceDrift, data: dict[str, Tensor], idx: Tensor) -> None:
+    if isinstance(metric, ReferenceDrift):
+        metric.update(data["sample_ids"][idx], data["features"][idx])
+    else:
+        metric.update(data["features"][idx], data["group_ids"][idx])
+
+
+def _drift() -> ReferenceDrift:
+    metric = ReferenceDrift(distance="cosine")
+    gen = torch.Generator().manual_seed(9)
+    # ids 50..59 have no reference
+    metric.set_reference(torch.arange(50), torch.rand(50, 7, generator=gen, dtype=torch.float64))
+    return metric
+
+
 # name -> (metric factory, data, feed); the data is rebuilt from its seed in every process
 CASES: dict[str, tuple[Callable[[], object], Callable[[], dict[str, Tensor]], Callable]] = {
     "rewards": (lambda: RewardGroupStats(tol=0.05), lambda: _rewards(0), _feed_rewards),
@@ -96,9 +121,18 @@ CASES: dict[str, tuple[Callable[[], object], Callable[[], dict[str, Tensor]], Ca
         lambda: _tokens(1),
         _feed_tokens,
     ),
+    "diversity": (lambda: GroupDiversity(7), lambda: _features(0), _feed_features),
+    "diversity_no_update": (
+        lambda: GroupDiversity(7, distance="cosine"),
+        lambda: _features(1),
+        _feed_features,
+    ),
+    "drift": (_drift, lambda: _features(2), _feed_features),
 }
+# the image metrics compute 3 values each; the RL diagnostics many more
+FEW_VALUES = {"diversity", "diversity_no_update", "drift"}
 # rank 1 makes no update at all / one update with zero samples: its empty states must still gather
-NO_UPDATE_ON_RANK1 = {"rewards_exact_tol"}
+NO_UPDATE_ON_RANK1 = {"rewards_exact_tol", "diversity_no_update"}
 EMPTY_UPDATE_ON_RANK1 = {"policy_trajectory"}
 
 
@@ -153,7 +187,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path: Path) -> None:
         single, data = factory(), data_fn()
         feed(single, data, torch.arange(next(iter(data.values())).numel()))
         want = _values(single)
-        assert len(want["values"]) > 10
+        assert len(want["values"]) >= (3 if name in FEW_VALUES else 11)
         for r, got in enumerate(ranks):
             got = got[name]
             assert set(got["values"]) == set(want["values"]), (name, r)
@@ -172,7 +206,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path: Path) -> None:
             for rec_got, rec_want in zip(got["top_kl"], want["top_kl"], strict=True):
                 assert rec_got == pytest.approx(rec_want, rel=1e-9), (name, r)
     # the split really spreads groups and trajectories over both ranks
-    for name, key in (("rewards", "group_ids"), ("policy", "sample_id")):
+    for name, key in (("rewards", "group_ids"), ("policy", "sample_id"), ("diversity", "group_ids")):
         data = CASES[name][1]()
         on_rank = [set(data[key][torch.cat(idx)].tolist()) for idx in _shards(data[key].numel(), name)]
         assert len(on_rank[0] & on_rank[1]) >= 10

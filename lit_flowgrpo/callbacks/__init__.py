@@ -11,6 +11,8 @@
   last state at the end of fit and on SIGTERM (which then exits 143).
 - :class:`RolloutProgressBar` (``progress.py``): a TQDM bar counting rollouts to the end of the run,
   with the reward and the last validation score.
+- :class:`OverOptimizationMonitor` (``over_optimization.py``): ``rollout/diversity``,
+  ``val-aux/diversity`` and ``val-aux/drift``, signs of over-optimisation in the images themselves.
 
 They read what ``FlowGRPOModule``'s steps return (:mod:`lit_flowgrpo.step_output`); any key may be
 missing, so a user's own module that returns less gets what can be logged from it. In YAML:
@@ -20,6 +22,7 @@ missing, so a user's own module that returns less gets what can be logged from i
 from lit_flowgrpo.callbacks.ema import TrainableEMA
 from lit_flowgrpo.callbacks.final_checkpoint import FinalCheckpoint
 from lit_flowgrpo.callbacks.images import SampleImageLogger
+from lit_flowgrpo.callbacks.over_optimization import OverOptimizationMonitor
 from lit_flowgrpo.callbacks.progress import RolloutProgressBar
 from lit_flowgrpo.callbacks.throughput import (
     RLThroughputMonitor,
@@ -32,6 +35,7 @@ from lit_flowgrpo.callbacks.throughput import (
 
 __all__ = [
     "FinalCheckpoint",
+    "OverOptimizationMonitor",
     "RLThroughputMonitor",
     "RolloutProgressBar",
     "SampleImageLogger",

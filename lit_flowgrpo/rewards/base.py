@@ -65,6 +65,10 @@ _PLUGIN_REWARDS = {
         "the toy world's reward, registered by `import lit_flowgrpo.toy` (a config does that by naming "
         "one of its classes, e.g. --model.init_args.policy.class_path lit_flowgrpo.toy.ToyPolicy)"
     ),
+    "shapes_color": (
+        "the toy world's gameable proxy reward, registered by `import lit_flowgrpo.toy` (a config does that "
+        "by naming one of its classes, e.g. --model.init_args.policy.class_path lit_flowgrpo.toy.ToyPolicy)"
+    ),
 }
 
 

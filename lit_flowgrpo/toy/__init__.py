@@ -2,11 +2,11 @@
 verifier (``verifier``) behind the ``shapes`` reward (``reward``), the tiny model that learns to draw
 it (``model``, ``pretrain``) and its policy (``policy``).
 
-Importing this package registers the ``shapes`` reward; the core (``lit_flowgrpo.policies``,
-``lit_flowgrpo.rewards``, the module) imports nothing from it.
+Importing this package registers the ``shapes`` reward and its gameable proxy ``shapes_color``; the
+core (``lit_flowgrpo.policies``, ``lit_flowgrpo.rewards``, the module) imports nothing from it.
 """
 
 from lit_flowgrpo.toy.policy import ToyPolicy
-from lit_flowgrpo.toy.reward import ShapesReward
+from lit_flowgrpo.toy.reward import ColorCoverageReward, ShapesReward
 
-__all__ = ["ShapesReward", "ToyPolicy"]
+__all__ = ["ColorCoverageReward", "ShapesReward", "ToyPolicy"]

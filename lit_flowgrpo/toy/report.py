@@ -19,6 +19,12 @@ the model training ended with; where it cannot (``evaluate_after_training: false
 resumed run whose checkpoint holds no base value, no rollout run), the line says what was not
 evaluated instead of repeating a number.
 
+With a ``proxy`` (the reward component the run trains on, when it is not the tracked one), each
+line also gives the proxy's validation mean and its gap to the tracked one, and the gap is logged as
+``val-aux/<proxy>_gap/mean@1``: the mean over the validation samples scored by both of
+proxy − tracked, per sample. A proxy that rises while the tracked gold score does not opens the gap:
+reward hacking, measured (``configs/hacking_proxy.yaml``).
+
 It also writes ``base_vs_tuned.png`` to the run's log dir: the first validation prompts, sampled
 with the same seeds by the base model (top row of each pair) and the tuned one (bottom row), each
 column under its prompt, each sample framed green where the verifier passes it and red where not.
@@ -47,6 +53,8 @@ class HeldOutReport(L.Callback):
         evaluate_after_training: evaluate the tuned model after the last rollout when the run's
             ``val_check_interval`` would not (one more validation; Lightning's ``trainer.should_stop``,
             as ``EarlyStopping`` uses it). Off: the last line says the tuned model was not evaluated.
+        proxy: a reward component (``name`` or ``name/component``) to report beside ``component``,
+            with the gap between them (see the module docstring); ``None``: none.
     """
 
     def __init__(
@@ -56,8 +64,14 @@ class HeldOutReport(L.Callback):
         num_images: int = 16,
         filename: str = "base_vs_tuned.png",
         evaluate_after_training: bool = True,
+        proxy: str | None = None,
     ) -> None:
+        if proxy is not None and proxy == component:
+            raise ValueError(
+                f"proxy ({proxy!r}) must differ from component ({component!r}): the gap would be 0"
+            )
         self.component = component
+        self.proxy = proxy
         self.label = label
         self.num_images = num_images
         self.filename = filename
@@ -72,6 +86,9 @@ class HeldOutReport(L.Callback):
         self._resumed = False
         self._session_start = 0  # rollouts done before this session (a resumed run's)
         self._sums: dict[str, list[float]] = {}
+        self._gap = [0.0, 0.0]  # Σ(proxy − component), samples scored by both, this validation
+        self.proxy_history: list[tuple[int, float, float]] = []
+        """(rollouts done, proxy mean, gap) per evaluation, when a proxy is set."""
         self._images: list[torch.Tensor] = []
         self._prompts: list[str] = []
         self._passed: list[torch.Tensor] = []
@@ -97,6 +114,7 @@ class HeldOutReport(L.Callback):
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._sums, self._images, self._prompts, self._passed = {}, [], [], []
         self._ids, self._values = [], []
+        self._gap = [0.0, 0.0]
 
     def on_validation_batch_end(
         self,
@@ -117,6 +135,11 @@ class HeldOutReport(L.Callback):
         if outputs.get("sample_ids") is not None:
             self._ids.append(outputs["sample_ids"].detach().long().cpu())
             self._values.append(outputs["rewards"][self.component].detach().double().cpu())
+        if self.proxy is not None and self.proxy in outputs["rewards"]:
+            gap = outputs["rewards"][self.proxy].double() - outputs["rewards"][self.component].double()
+            gap = gap[torch.isfinite(gap)]
+            self._gap[0] += float(gap.sum())
+            self._gap[1] += float(gap.numel())
         have = sum(len(x) for x in self._images)
         if have < self.num_images:
             take = self.num_images - have
@@ -128,10 +151,13 @@ class HeldOutReport(L.Callback):
         if self.component not in self._sums:
             return
         names = sorted(self._sums)
-        totals = torch.tensor([self._sums[n] for n in names], dtype=torch.float64, device=pl_module.device)
-        totals = trainer.strategy.reduce(totals, reduce_op="sum")  # (components, 2): Σ, n over ranks
+        rows = [self._sums[n] for n in names] + [self._gap]
+        totals = torch.tensor(rows, dtype=torch.float64, device=pl_module.device)
+        totals = trainer.strategy.reduce(totals, reduce_op="sum")  # (components + 1, 2): Σ, n over ranks
+        totals, gap_total = totals[:-1], totals[-1]
         means = {n: float(t[0] / t[1]) for n, t in zip(names, totals, strict=True) if t[1] > 0}
         counts = {n: int(t[1]) for n, t in zip(names, totals, strict=True)}
+        gap = float(gap_total[0] / gap_total[1]) if gap_total[1] > 0 else None
         value, n = means[self.component], self.rollouts
         if not self.history or n != self.history[-1][0]:
             self.history.append((n, value))
@@ -146,13 +172,28 @@ class HeldOutReport(L.Callback):
             list(self._prompts),
             torch.cat(self._passed) if self._passed else torch.zeros(0, dtype=torch.bool),
         )
+        extra = {}
+        if gap is not None and self.proxy in means:
+            extra = {self.gap_key: gap}
+            if not self.proxy_history or n != self.proxy_history[-1][0]:
+                self.proxy_history.append((n, means[self.proxy], gap))
         if self._first is None and n == 0:
             self._first = images
             if trainer.sanity_checking:  # Lightning drops what is logged during the sanity check
-                self._log_base(trainer, means)
+                self._log_base(trainer, means, extra)
+        if extra and not trainer.sanity_checking:
+            pl_module.log(self.gap_key, gap, on_step=False, on_epoch=True)
         self._last = images
         when = "of the base model" if n == 0 else f"after {n} rollout{'s' if n != 1 else ''}"
-        self._say(f"{self.label} {when}: {value:.3f}", trainer)
+        line = f"{self.label} {when}: {value:.3f}"
+        if extra:
+            line += f"; {self.proxy}: {means[self.proxy]:.3f} (gap {gap:+.3f})"
+        self._say(line, trainer)
+
+    @property
+    def gap_key(self) -> str:
+        """The logged name of the proxy's gap: ``val-aux/<proxy>_gap/mean@1``."""
+        return f"val-aux/{self.proxy}_gap/mean@1"
 
     def _per_sample(self, trainer: L.Trainer, pl_module: L.LightningModule) -> torch.Tensor | None:
         """This validation's value per sample id over all ranks (dense: the ids are 0..N-1)."""
@@ -191,9 +232,9 @@ class HeldOutReport(L.Callback):
             print(line, flush=True)
 
     @rank_zero_only
-    def _log_base(self, trainer: L.Trainer, means: dict[str, float]) -> None:
+    def _log_base(self, trainer: L.Trainer, means: dict[str, float], extra: dict[str, float]) -> None:
         reward = trainer.lightning_module.reward  # names the keys as the module's validation does
-        values = {reward.validation_keys(name)[0]: value for name, value in means.items()}
+        values = {reward.validation_keys(name)[0]: value for name, value in means.items()} | extra
         for logger in trainer.loggers:
             logger.log_metrics(values, step=0)
 
@@ -201,6 +242,13 @@ class HeldOutReport(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.last_line = self._last_line(trainer)
         print(self.last_line, flush=True)
+        proxy = self.proxy_history
+        if len(proxy) > 1 and proxy[0][0] == 0 and proxy[-1][0] == self.rollouts:
+            print(
+                f"{self.proxy}: {proxy[0][1]:.3f} -> {proxy[-1][1]:.3f}, its gap to {self.label}: "
+                f"{proxy[0][2]:+.3f} -> {proxy[-1][2]:+.3f} (the base model -> after {self.rollouts} rollouts)",
+                flush=True,
+            )
         tuned = self.history[-1] if self.history and self.history[-1][0] == self.rollouts > 0 else None
         if tuned is None or self._first is None or self._last is None or not len(self._first.images):
             return
@@ -263,6 +311,7 @@ class HeldOutReport(L.Callback):
             "base": self.base,
             "base_values": self.base_values,
             "rollouts": self.rollouts,
+            "proxy_history": list(self.proxy_history),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -275,6 +324,7 @@ class HeldOutReport(L.Callback):
         self.base = None if base is None else (float(base[0]), int(base[1]))
         self.base_values = state_dict.get("base_values")
         self.rollouts = int(state_dict.get("rollouts", 0))
+        self.proxy_history = [tuple(x) for x in state_dict.get("proxy_history", [])]
         self._session_start = self.rollouts  # the rollouts done before this session
 
 

@@ -1,5 +1,6 @@
-"""``shapes``: the verifiable reward of the embedded toy world, registered when ``lit_flowgrpo.toy``
-is imported (a config does that by naming ``lit_flowgrpo.toy.ToyPolicy``).
+"""``shapes``: the verifiable reward of the embedded toy world, and ``shapes_color``, a proxy of it
+that can be gamed; both registered when ``lit_flowgrpo.toy`` is imported (a config does that by
+naming ``lit_flowgrpo.toy.ToyPolicy``).
 
 A GenEval-style check with no learned parts: colour segmentation, connected components, a shape
 classifier, exact counts and bounding-box relations (``lit_flowgrpo.toy.verifier`` has the rules
@@ -7,19 +8,27 @@ and their sources). Components: ``strict`` (0/1: exactly the asked objects, in t
 and places, nothing else) and ``partial`` (the fraction of the prompt's conditions met, each extra
 object counting as a failed one). ``strict`` is the primary component and the core one (the
 accuracy, logged under ``val-core/``).
+
+``shapes_color`` (:class:`ColorCoverageReward`) scores how much of the image is painted in the
+colours the prompt names. It agrees with the verifier at first (an object in the wrong colour scores
+nothing) and parts from it as it is pushed: bigger objects, extra copies and a canvas flooded with the
+colour all raise it while they break the counts, shapes and places ``strict`` checks. Trained on it
+with ``strict`` logged beside it (``configs/hacking_proxy.yaml``), the shapes world shows reward
+hacking in numbers: the proxy against the gold score it stood for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lit_flowgrpo.rewards.base import register_reward
 from lit_flowgrpo.rewards.images import check_images, to_numpy_hwc
 from lit_flowgrpo.toy.verifier import ShapeVerifier, check_record
-from lit_flowgrpo.toy.world import VOCAB, unknown_words
+from lit_flowgrpo.toy.world import COLORS, VOCAB, unknown_words
 
 
 @register_reward("shapes")
@@ -59,27 +68,8 @@ class ShapesReward:
         )
 
     def problems(self, records: Sequence[Mapping]) -> list[str]:
-        """Every prompt record this reward cannot score, each named by its index in ``records``.
-
-        A record must carry a prompt in the toy world's vocabulary (the toy model cannot encode any
-        other word) and GenEval-style metadata the verifier can read. Checked at setup, so a bad
-        line fails before the first rollout instead of when a rollout first draws it.
-        """
-        out = []
-        for i, record in enumerate(records):
-            found = []
-            unknown = unknown_words(str(record.get("prompt", "")))
-            if unknown:
-                found.append(f"words outside the toy world's vocabulary {unknown}")
-            try:
-                check_record(dict(record))
-            except ValueError as err:
-                found.append(str(err))
-            if found:
-                out.append(f"prompt record {i} ({record.get('prompt')!r}): " + "; ".join(found))
-        if any("vocabulary" in p for p in out):
-            out.append(f"the toy world's vocabulary is {list(VOCAB)}")
-        return out
+        """Every prompt record this reward cannot score (:func:`record_problems`)."""
+        return record_problems(records)
 
     def __call__(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> dict[str, Tensor]:
         """``{"strict": (B,), "partial": (B,)}`` fp32; NaN for an image with non-finite pixels."""
@@ -98,3 +88,100 @@ class ShapesReward:
             "strict": torch.where(finite, torch.from_numpy(strict).float(), nan),
             "partial": torch.where(finite, torch.from_numpy(partial).float(), nan),
         }
+
+
+def record_problems(records: Sequence[Mapping]) -> list[str]:
+    """Every prompt record the toy world's rewards cannot score, each named by its index in ``records``.
+
+    A record must carry a prompt in the toy world's vocabulary (the toy model cannot encode any
+    other word) and GenEval-style metadata the verifier can read. Checked at setup, so a bad
+    line fails before the first rollout instead of when a rollout first draws it.
+    """
+    out = []
+    for i, record in enumerate(records):
+        found = []
+        unknown = unknown_words(str(record.get("prompt", "")))
+        if unknown:
+            found.append(f"words outside the toy world's vocabulary {unknown}")
+        try:
+            check_record(dict(record))
+        except ValueError as err:
+            found.append(str(err))
+        if found:
+            out.append(f"prompt record {i} ({record.get('prompt')!r}): " + "; ".join(found))
+    if any("vocabulary" in p for p in out):
+        out.append(f"the toy world's vocabulary is {list(VOCAB)}")
+    return out
+
+
+_PALETTE = tuple(COLORS)  # the verifier's palette order: segment() returns indices into it
+
+
+@register_reward("shapes_color")
+class ColorCoverageReward:
+    """A gameable proxy of the shapes world's verifier: the share of the image in the prompt's colours.
+
+    score = min(c / saturation, 1), where c is the fraction of the image's pixels that the verifier's
+    colour segmentation reads as one of the colours the prompt names ("a red circle and a blue
+    square": red or blue), or as any palette colour when it names none ("two circles").
+
+    Why it can be gamed: a correct scene covers a few percent of the canvas (one 10-pixel square is
+    100 of 1024 pixels: 0.195 at the default saturation), and every pixel more of the colour raises
+    the score, up to a canvas half covered. The verifier rejects any one object larger than 35% of
+    the image, and bigger or extra objects break counts and positions, so the proxy's best images
+    are ones the gold ``strict`` check fails.
+
+    Args:
+        saturation: the covered fraction that scores 1 (0–1]. Above the verifier's largest object
+            (``max_area_fraction``, 0.35) by default, so that the top is reached only by breaking it.
+        brightness: a pixel counts when its brightest channel reaches this (0–1), as the verifier's.
+        chroma_tolerance: largest chromaticity distance from a palette colour still read as it.
+    """
+
+    core_components: tuple[str | None, ...] = ()  # a proxy, not accuracy: val-aux/shapes_color/mean@1
+    required_metadata: tuple[str, ...] = ("include",)
+
+    def __init__(
+        self, saturation: float = 0.5, brightness: float = 0.35, chroma_tolerance: float = 0.45
+    ) -> None:
+        flag = "--model.init_args.reward.init_args.config.shapes_color"
+        problems = []
+        if not 0 < saturation <= 1:
+            problems.append(f"{flag}.saturation ({saturation}) must be in (0, 1]")
+        if not 0 < brightness < 1:
+            problems.append(f"{flag}.brightness ({brightness}) must be in (0, 1)")
+        if chroma_tolerance <= 0:
+            problems.append(f"{flag}.chroma_tolerance ({chroma_tolerance}) must be positive")
+        if problems:
+            raise ValueError("invalid shapes_color reward settings:\n  " + "\n  ".join(problems))
+        self.saturation = saturation
+        self.verifier = ShapeVerifier(brightness=brightness, chroma_tolerance=chroma_tolerance)
+
+    def problems(self, records: Sequence[Mapping]) -> list[str]:
+        """Every prompt record this reward cannot score (:func:`record_problems`)."""
+        return record_problems(records)
+
+    def coverage(self, pixels: np.ndarray, records: Sequence[Mapping]) -> np.ndarray:
+        """(B,) float64: the fraction of each (B, H, W, 3) uint8 image in its record's colours."""
+        segments = self.verifier.segment(pixels)  # (B, H, W) palette index, -1 background
+        out = np.empty(len(records))
+        for i, record in enumerate(records):
+            named = {e["color"] for e in record["include"] if "color" in e} or set(_PALETTE)
+            wanted = np.isin(segments[i], [_PALETTE.index(c) for c in sorted(named)])
+            out[i] = wanted.mean()
+        return out
+
+    def __call__(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+        """(B,) fp32 in [0, 1]; NaN for an image with non-finite pixels."""
+        check_images(images)
+        if len(metadata) != images.shape[0]:
+            raise ValueError(
+                f"reward 'shapes_color' got {images.shape[0]} images but {len(metadata)} metadata records: "
+                "give one record per image (a .jsonl prompt file such as lit_flowgrpo/toy/assets/train.jsonl)"
+            )
+        for record in metadata:
+            check_record(record)
+        finite = torch.isfinite(images.detach()).flatten(1).all(dim=1).cpu()  # (B,) bool
+        pixels = to_numpy_hwc(torch.nan_to_num(images.detach(), nan=0.0))  # (B, H, W, 3) uint8
+        score = np.minimum(self.coverage(pixels, metadata) / self.saturation, 1.0)
+        return torch.where(finite, torch.from_numpy(score).float(), torch.tensor(float("nan")))

@@ -3,14 +3,18 @@ last line (base -> tuned, or what was not evaluated)."""
 
 from __future__ import annotations
 
+import csv
+import math
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from lit_flowgrpo.callbacks import FinalCheckpoint
@@ -80,7 +84,8 @@ def fit(
     *,
     sanity: int = -1,
     ckpt: str | None = None,
-    learner: type[Learner] = Learner,
+    module: L.LightningModule | None = None,
+    logger: Any = False,
 ) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
@@ -90,7 +95,7 @@ def fit(
         check_val_every_n_epoch=None,
         num_sanity_val_steps=sanity,
         limit_val_batches=1,
-        logger=False,
+        logger=logger,
         enable_progress_bar=False,
         enable_model_summary=False,
         # the last state at the end of fit too (as the quickstart's FinalCheckpoint): a resume may start
@@ -103,7 +108,7 @@ def fit(
         default_root_dir=str(tmp_path),
     )
     loader = DataLoader(torch.zeros(100), batch_size=1)
-    trainer.fit(learner(), loader, DataLoader(torch.zeros(1), batch_size=1), ckpt_path=ckpt)
+    trainer.fit(module or Learner(), loader, DataLoader(torch.zeros(1), batch_size=1), ckpt_path=ckpt)
 
 
 def test_a_run_ending_between_validations_is_evaluated_once_more(tmp_path: Path, capsys) -> None:
@@ -130,7 +135,7 @@ class PairedLearner(Learner):
 
 def test_the_gain_is_a_paired_difference_with_its_standard_error(tmp_path: Path) -> None:
     report = HeldOutReport()
-    fit(tmp_path, report, max_steps=3, learner=PairedLearner)
+    fit(tmp_path, report, max_steps=3, module=PairedLearner())
     d = torch.tensor([0.0, 1.0, 0.0, 1.0], dtype=torch.float64)  # tuned − base per sample, by hand
     se = float(d.std(unbiased=True)) / 2.0  # over sqrt(4) samples: 0.2887
     assert report.paired_gain() == (pytest.approx(0.5), pytest.approx(se), 4)
@@ -141,7 +146,7 @@ def test_the_gain_is_a_paired_difference_with_its_standard_error(tmp_path: Path)
     # the base model's per-sample values travel in the checkpoint: a resumed run pairs too
     shutil.copy(tmp_path / "ckpt" / "last.ckpt", tmp_path / "three.ckpt")
     resumed = HeldOutReport()
-    fit(tmp_path, resumed, max_steps=4, ckpt=str(tmp_path / "three.ckpt"), learner=PairedLearner)
+    fit(tmp_path, resumed, max_steps=4, ckpt=str(tmp_path / "three.ckpt"), module=PairedLearner())
     assert resumed.paired_gain() == (0.0, 0.0, 4)  # i·4 is even: every sample back at its base verdict
     assert resumed.last_line.endswith(
         "0.000 -> 0.000 (+0.000 ± 0.000, 4 paired samples; the base model -> after 4 rollouts)"
@@ -210,3 +215,51 @@ def test_a_resumed_run_keeps_the_base_value_from_the_checkpoint(tmp_path: Path) 
         "held-out strict accuracy of the base model: not known (the checkpoint this run resumed from "
         "holds none); after 3 rollouts: 0.300"
     )
+
+
+# -- a proxy beside the tracked component ------------------------------------------------------------
+
+
+class ProxyLearner(Learner):
+    """Validation also scores a proxy, 0.5 + 0.2 × rollouts on 3 of the 4 samples (one unscored), so
+    the gap to strict (0.1 × rollouts) is 0.5 + 0.1 × rollouts over the 3 samples both scored."""
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> dict:
+        out = super().validation_step(batch, batch_idx)
+        proxy = torch.full((4,), 0.5 + 0.2 * self.trainer.global_step)
+        proxy[3] = math.nan
+        out["rewards"]["shapes_color"] = proxy
+        return out
+
+
+def test_a_proxy_is_reported_and_its_gap_logged(tmp_path: Path, capsys) -> None:
+    report = HeldOutReport(proxy="shapes_color")
+    assert report.gap_key == "val-aux/shapes_color_gap/mean@1"
+    logger = CSVLogger(str(tmp_path), name="run")
+    fit(tmp_path, report, max_steps=3, module=ProxyLearner(), logger=logger)
+    out = capsys.readouterr().out
+
+    want = [(0, 0.5, 0.5), (2, 0.9, 0.7), (3, 1.1, 0.8)]  # (rollouts, proxy mean, gap)
+    assert [n for n, _, _ in report.proxy_history] == [n for n, _, _ in want]
+    # The stand-in's scores are fp32 (one rounding each, 2^-24 relative), averaged in fp64.
+    for got, (_, proxy, gap) in zip(report.proxy_history, want, strict=True):
+        assert got[1:] == (pytest.approx(proxy, rel=1e-7), pytest.approx(gap, rel=1e-7))
+    assert "held-out strict accuracy of the base model: 0.000; shapes_color: 0.500 (gap +0.500)" in out
+    assert "held-out strict accuracy after 3 rollouts: 0.300; shapes_color: 1.100 (gap +0.800)" in out
+    assert report.last_line == "held-out strict accuracy: 0.000 -> 0.300 (the base model -> after 3 rollouts)"
+    assert (
+        "shapes_color: 0.500 -> 1.100, its gap to held-out strict accuracy: +0.500 -> +0.800 "
+        "(the base model -> after 3 rollouts)" in out
+    )
+
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get(report.gap_key)]
+    # The base's at step 0, the others through Lightning's fp32 result collection: one more rounding.
+    assert [float(r[report.gap_key]) for r in rows] == [
+        0.5, pytest.approx(0.7, rel=2e-7), pytest.approx(0.8, rel=2e-7)
+    ]  # fmt: skip
+
+
+def test_a_proxy_must_differ_from_the_tracked_component() -> None:
+    with pytest.raises(ValueError, match="must differ"):
+        HeldOutReport(proxy="shapes/strict")
