@@ -1,6 +1,6 @@
 """What balancing the update's work across ranks would save, by simulation of the sampler's dealing.
 
-With ``--model.advantage.filter_zero`` on, the samples of saturated groups (every reward equal, so
+With ``--model.init_args.advantage.filter_zero`` on, the samples of saturated groups (every reward equal, so
 every advantage exactly 0) are dropped before the update. ``GroupSampler`` deals the M·K shuffled
 samples of a step evenly to the R ranks, so after the drop the ranks hold different numbers of
 samples (logged as ``global_load/*``). Every rank must run the same number of micro-batch passes

@@ -38,8 +38,8 @@ import yaml
 LR = "--model.init_args.optimizer.init_args.lr="
 NFT = "--model.init_args.objective.init_args."
 
-# label -> (config, overrides). Every plan evaluates the same held-out metric as the quickstart:
-# 250 held-out prompts x 4 seeds at 10 ODE steps and guidance 3.
+# label -> (config, overrides). Every plan evaluates the same held-out metric: 250 held-out prompts x
+# --val_seeds seeds (4: 1000 samples) at 10 ODE steps and guidance 3.
 PLANS: dict[str, dict[str, tuple[str, list[str]]]] = {
     "objectives": {
         "flow_grpo": ("configs/quickstart.yaml", []),
@@ -118,6 +118,7 @@ def command(
         f"--trainer.logger.init_args.save_dir={folder}", "--trainer.logger.init_args.name=log",
         "--trainer.logger.init_args.flush_logs_every_n_steps=1",  # partial runs still leave their curve
         f"--trainer.accelerator={opts.accelerator}",
+        f"--data.init_args.val_seeds={opts.val_seeds}",
     ]  # fmt: skip
     if opts.val_every > 0:
         cmd.append(f"--trainer.val_check_interval={opts.val_every}")
@@ -310,6 +311,7 @@ def main() -> None:
     r.add_argument("--rollouts", type=int, default=60)
     r.add_argument("--val_every", type=int, default=5, help="rollouts between evaluations (0: none)")
     r.add_argument("--max_val_prompts", type=int, default=0, help="0: all 250")
+    r.add_argument("--val_seeds", type=int, default=4, help="seeds per held-out prompt (4: 1000 samples)")
     r.add_argument("--accelerator", default="cpu")
     r.add_argument("--parallel", type=int, default=1)
     r.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")

@@ -37,8 +37,8 @@ import yaml
 
 #: Flags that were removed, and what to use instead (the flag as the user types it, without init_args).
 REMOVED_FLAGS = {
-    "model.loss": "the loss is chosen by --model.objective, a class path "
-    "(e.g. --model.objective=lit_flowgrpo.objective.GRPOGuard)",
+    "model.loss": "the loss is chosen by --model.init_args.objective, a class path "
+    "(e.g. --model.init_args.objective=lit_flowgrpo.objective.GRPOGuard)",
 }
 
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
@@ -147,14 +147,17 @@ def _objective_name(key: str, flag: str, value: Any) -> str | None:
     by_name = {cls.name: f"{cls.__module__}.{cls.__qualname__}" for cls in objective._REGISTRY.values()}
     listed = ", ".join(f"{path} ({name})" for name, path in sorted(by_name.items()))
     if value in by_name:
-        return f"--model.objective ({value}) takes a class path: --model.objective={by_name[value]}; objectives: {listed}"
+        return (
+            f"--model.init_args.objective ({value}) takes a class path: "
+            f"--model.init_args.objective={by_name[value]}; objectives: {listed}"
+        )
     names = list(by_name) + [path.rsplit(".", 1)[1] for path in by_name.values()]
     close = difflib.get_close_matches(value, names, n=1, cutoff=0.6)
     hint = ""
     if close:
         path = by_name.get(close[0]) or next(p for p in by_name.values() if p.endswith("." + close[0]))
-        hint = f"did you mean --model.objective={path}? "
-    return f"--model.objective ({value}) is not an objective: {hint}objectives: {listed}"
+        hint = f"did you mean --model.init_args.objective={path}? "
+    return f"--model.init_args.objective ({value}) is not an objective: {hint}objectives: {listed}"
 
 
 def _class_path(key: str, flag: str, value: Any) -> str | None:
@@ -218,7 +221,7 @@ def _reward_weight(key: str, flag: str, value: Any) -> str | None:
     if not bad:
         return None
     return (
-        f"--model.reward.weights gives {', '.join(f'{k!r} the weight {w!r}' for k, w in bad.items())}: each "
+        f"--model.init_args.reward.init_args.weights gives {', '.join(f'{k!r} the weight {w!r}' for k, w in bad.items())}: each "
         "weight must be a finite number (0 computes and logs a reward without training on it)"
     )
 
@@ -249,13 +252,13 @@ def _unknown_setting(key: str, class_paths: dict[str, str], value: Any = None) -
         if not names:
             return None
         if name not in names:
-            owner = _flag(".".join(parts[:depth]))
+            owner = _spelled([*parts[:depth], "_"], class_paths)[:-2]  # the owner's own settings' prefix
             close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
             hint = f"did you mean {', '.join(f'{owner}.{c}' for c in close)}? " if close else ""
             listed = (
                 f"its settings: {', '.join(names)}" if len(names) <= 20 else "see --help for its settings"
             )
-            return f"{_flag(key)}: {cls.__name__} has no setting {name!r}; {hint}{listed}"
+            return f"{_spelled(parts, class_paths)}: {cls.__name__} has no setting {name!r}; {hint}{listed}"
         if depth == len(parts) - 1:
             return _choice(parts, hints.get(name), value)
         # Descend into the argument's own class: a dataclass field or a class the config names.
@@ -269,6 +272,20 @@ def _unknown_setting(key: str, class_paths: dict[str, str], value: Any = None) -
             return None
         cls = nxt
     return None
+
+
+def _spelled(parts: list[str], class_paths: dict[str, str]) -> str:
+    """``parts`` as a flag in the CLI's full spelling, the one the error messages use: ``init_args``
+    after each part the config gives a class for (``--data.init_args.group_size``,
+    ``--model.init_args.objective.init_args.clip_range``); list positions dropped, as in :func:`_flag`."""
+    out = []
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            continue
+        out.append(part)
+        if i < len(parts) - 1 and ".".join(parts[: i + 1]) in class_paths:
+            out.append("init_args")
+    return "--" + ".".join(out)
 
 
 def _choice(parts: list[str], hint: Any, value: Any) -> str | None:
@@ -297,6 +314,8 @@ def _literal_choices(hint: Any) -> list[Any] | None:
 def _canonical_flag(parts: list[str]) -> str:
     """A module setting in the spelling the error messages use (:func:`lit_flowgrpo.errors.flag`):
     ``model.advantage.aggregation`` → ``--model.init_args.advantage.aggregation``."""
+    if parts[0] == "data":
+        return "--data.init_args." + ".".join(parts[1:])
     if parts[0] != "model" or len(parts) < 3:
         return "--" + ".".join(parts)
     from lit_flowgrpo.errors import flag

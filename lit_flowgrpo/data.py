@@ -158,7 +158,7 @@ class GroupSampler:
         total = prompts_per_step * group_size
         if total % world_size:
             raise ValueError(
-                f"--data.prompts_per_step × --data.group_size ({prompts_per_step} × {group_size} = {total}) "
+                f"--data.init_args.prompts_per_step × --data.init_args.group_size ({prompts_per_step} × {group_size} = {total}) "
                 f"must divide across {world_size} ranks: change either so the product is a multiple of "
                 f"{world_size}"
             )
@@ -326,15 +326,19 @@ class PromptDataModule(L.LightningDataModule):
         problems = []
         if group_size < 2:
             problems.append(
-                f"--data.group_size ({group_size}) must be at least 2: GRPO needs a group to compare within"
+                f"--data.init_args.group_size ({group_size}) must be at least 2: GRPO needs a group to compare within"
             )
         if prompts_per_step < 1:
-            problems.append(f"--data.prompts_per_step ({prompts_per_step}) must be at least 1")
+            problems.append(f"--data.init_args.prompts_per_step ({prompts_per_step}) must be at least 1")
         if val_seeds < 1 or val_batch_size < 1:
-            problems.append("--data.val_seeds and --data.val_batch_size must be at least 1")
+            problems.append(
+                "--data.init_args.val_seeds and --data.init_args.val_batch_size must be at least 1"
+            )
         if max_val_prompts is not None and max_val_prompts < 1:
             # A slice by 0 or a negative number would silently drop all or the last validation prompts.
-            problems.append(f"--data.max_val_prompts ({max_val_prompts}) must be at least 1, or null for all")
+            problems.append(
+                f"--data.init_args.max_val_prompts ({max_val_prompts}) must be at least 1, or null for all"
+            )
         if problems:
             raise SettingsError("invalid data settings:\n  " + "\n  ".join(problems))
         self.train_path = train
@@ -347,8 +351,8 @@ class PromptDataModule(L.LightningDataModule):
         self.seed = seed
         self.same_initial_noise = same_initial_noise
         # Read now: an empty or missing prompt file fails before any model is loaded.
-        self.train_records = read_prompts(train, "--data.train")
-        self.val_records = read_prompts(val, "--data.val") if val else []
+        self.train_records = read_prompts(train, "--data.init_args.train")
+        self.val_records = read_prompts(val, "--data.init_args.val") if val else []
         if max_val_prompts is not None:
             self.val_records = self.val_records[:max_val_prompts]
         _check_distinct(self.train_records, prompts_per_step, train)
@@ -392,7 +396,7 @@ class PromptDataModule(L.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("seed", self.seed) != self.seed:
             raise ValueError(
-                f"--data.seed ({self.seed}) differs from the checkpoint's ({state_dict['seed']}): resume with "
+                f"--data.init_args.seed ({self.seed}) differs from the checkpoint's ({state_dict['seed']}): resume with "
                 "the same seed, or start a new run without --ckpt_path"
             )
         self._next_step = int(state_dict["next_step"])
@@ -412,13 +416,13 @@ def _check_distinct(records: list[dict[str, Any]], prompts_per_step: int, path: 
     distinct = len({json.dumps(r, sort_keys=True) for r in records})
     if prompts_per_step > distinct:
         raise SettingsError(
-            f"--data.prompts_per_step ({prompts_per_step}) is more than the {distinct} distinct prompts in "
-            f"--data.train ({path}): a step would hold two groups of one prompt. Set --data.prompts_per_step "
-            f"to at most {distinct} (raise --data.group_size for more samples per step), or add prompts"
+            f"--data.init_args.prompts_per_step ({prompts_per_step}) is more than the {distinct} distinct prompts in "
+            f"--data.init_args.train ({path}): a step would hold two groups of one prompt. Set --data.init_args.prompts_per_step "
+            f"to at most {distinct} (raise --data.init_args.group_size for more samples per step), or add prompts"
         )
     if distinct < len(records):
         rank_zero_warn(
-            f"--data.train ({path}) lists {len(records) - distinct} prompts more than once: each copy is "
+            f"--data.init_args.train ({path}) lists {len(records) - distinct} prompts more than once: each copy is "
             "drawn as its own prompt (more often, and at times as a second group in the same step); "
             "remove the copies unless that weighting is meant"
         )

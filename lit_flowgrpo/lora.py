@@ -181,6 +181,12 @@ class TrainableWeights:
         without ``old_policy``); a sharded run shards it like the transformer."""
         return self._old_network
 
+    @property
+    def copies(self) -> list[nn.Module]:
+        """The transformer copies these weights hold beside the policy's own (the reference, the old
+        policy): what a sharded run must shard too."""
+        return [n for n in (self._frozen, self._old_network) if n is not None]
+
     def _old_lora(self, policy: FlowPolicy) -> dict[str, Tensor]:
         if self._old_state is None:
             # θ_old starts as θ (the reference copies the adapter before the first rollout).

@@ -44,7 +44,7 @@ from lit_flowgrpo.rewards.base import MultiReward, RewardOutput, as_reward
 from lit_flowgrpo.rewards.overlap import RewardQueue
 from lit_flowgrpo.rollout import RolloutBatch, Sampler, cfg_forwards
 from lit_flowgrpo.step_output import STAGES, StepOutput, ValidationOutput
-from lit_flowgrpo.strategies import strategy_problems
+from lit_flowgrpo.strategies import shard_networks, strategy_problems
 from lit_flowgrpo.update import (
     IdleRollouts,
     UpdateHooks,
@@ -54,6 +54,7 @@ from lit_flowgrpo.update import (
     run_update,
 )
 
+_EVAL_MODE_NOTICE = r"Found \d+ module\(s\) in eval mode at the start of training"
 __all__ = ["AdvantageSettings", "DiagnosticsSettings", "FlowGRPOModule", "LoraSettings", "UpdateSettings"]
 
 
@@ -149,13 +150,7 @@ class FlowGRPOModule(L.LightningModule):
         p += self.objective.sampler_problems(self.sampler)
         p += self.weights.problems(self.objective.uses_reference)
         p += self.policy.problems() + self.sampler.image_size_problems(self.policy)
-        weights = getattr(self.reward, "weights", None)
-        if isinstance(weights, dict) and weights and not any(weights.values()):
-            p.append(f"{flag('reward')}.weights are all 0 ({weights}): the reward is 0 by construction")
-        try:
-            _ = self.reward.core_components  # checks each reward's declaration
-        except TypeError as err:
-            p.append(str(err))
+        p += self.reward.settings_problems()
         if self.sampler.guidance_scale > 1 and not self.update.train_cfg:
             rank_zero_warn(
                 f"{flag('update')}.train_cfg=false with guidance_scale={self.sampler.guidance_scale}: the update "
@@ -168,19 +163,9 @@ class FlowGRPOModule(L.LightningModule):
         dm = getattr(self.trainer, "datamodule", None)
         problems: list[str] = []
         if dm is not None and stage == "fit" and hasattr(dm, "samples_per_step"):
-            world, total = self.data_parallel.size, dm.samples_per_step
-            if total % world:
-                problems.append(
-                    f"--data.prompts_per_step × --data.group_size ({total}) must be a multiple of the number "
-                    f"of data-parallel ranks ({world})"
-                )
-            elif (total // world) % self.update.micro_batch_size:
-                problems.append(
-                    f"{flag('update')}.micro_batch_size ({self.update.micro_batch_size}) must divide the "
-                    f"per-rank batch ({total} samples / {world} ranks = {total // world}): change either"
-                )
+            problems += self.update.batch_problems(dm.samples_per_step, self.data_parallel.size)
         if dm is not None and isinstance(self.reward, MultiReward):
-            parts = {"--data.train": "train_records", "--data.val": "val_records"}
+            parts = {"--data.init_args.train": "train_records", "--data.init_args.val": "val_records"}
             problems += self.reward.prompt_problems(
                 {f: list(getattr(dm, a, None) or []) for f, a in parts.items()}
             )
@@ -204,26 +189,13 @@ class FlowGRPOModule(L.LightningModule):
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.parameters())
         rank_zero_info(f"trainable parameters: {trainable:,} of {total:,}")
-        from lit_flowgrpo.strategies import FSDP2Strategy
-
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        if isinstance(strategy, FSDP2Strategy):
-            # After the adapter is attached, so that its weights shard with their blocks.
-            strategy.shard(self.policy.transformer)
-            for network in (self.weights.reference_network, self.weights.old_network):
-                if network is not None:
-                    strategy.shard(network)
+        # After the adapter is attached, so that its weights shard with their blocks.
+        shard_networks(self._trainer, self.policy.transformer, *self.weights.copies)
 
     def on_fit_start(self) -> None:
-        # The frozen text encoders, VAE and reference stay in eval mode on purpose (a frozen network
-        # must not drop out), which Lightning's fit loop reports as "Found N module(s) in eval mode"
-        # on every run. Lightning has no switch for that check, so its message alone is filtered (from
-        # here on, in this process).
-        warnings.filterwarnings(
-            "ignore",
-            message=r"Found \d+ module\(s\) in eval mode at the start of training",
-            category=UserWarning,
-        )
+        # Frozen networks stay in eval mode on purpose (none may drop out); Lightning reports that on
+        # every run and has no switch for it, so its message alone is filtered, in this process.
+        warnings.filterwarnings("ignore", message=_EVAL_MODE_NOTICE, category=UserWarning)
 
     # ----------------------------------------------------------------------------------------------
     # Training

@@ -295,6 +295,17 @@ def unsupported_strategy(cls: type, name: str) -> str | None:
     return None
 
 
+def shard_networks(trainer: Any, *networks: nn.Module | None) -> None:
+    """Shard each network under an :class:`FSDP2Strategy` (``None`` entries skipped); nothing under
+    any other strategy. The module's ``configure_model`` hands over every network it holds (the
+    trained transformer, a frozen reference copy, DiffusionNFT's old policy)."""
+    strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+    if isinstance(strategy, FSDP2Strategy):
+        for network in networks:
+            if network is not None:
+                strategy.shard(network)
+
+
 def strategy_problems(trainer: Any, dm: Any, performance: Any) -> list[str]:
     """The strategies ``FlowGRPOModule``'s update cannot run under, and what sharding asks of the data
     and the performance settings (checked in ``setup``, before any weight is read)."""
@@ -336,9 +347,9 @@ def strategy_problems(trainer: Any, dm: Any, performance: Any) -> list[str]:
     if val % world:
         # Each sharded forward gathers weights from every rank: all ranks must run the same number.
         return [
-            f"--data.val prompts × --data.val_seeds ({val}) must be a multiple of the number of ranks "
+            f"--data.init_args.val prompts × --data.init_args.val_seeds ({val}) must be a multiple of the number of ranks "
             f"({world}) under --trainer.strategy=fsdp2, whose forwards are collective: set "
-            "--data.max_val_prompts or --data.val_seeds so"
+            "--data.init_args.max_val_prompts or --data.init_args.val_seeds so"
         ]
     return []
 

@@ -80,6 +80,20 @@ class UpdateSettings:
             p.append(f"{flag_path}.max_grad_norm ({self.max_grad_norm}) must be > 0, or null for no clipping")
         return p
 
+    def batch_problems(self, samples_per_step: int, ranks: int) -> list[str]:
+        """The rollout batch against the data-parallel ranks and the micro-batch (known at setup)."""
+        if samples_per_step % ranks:
+            return [
+                f"--data.init_args.prompts_per_step × --data.init_args.group_size ({samples_per_step}) must be a "
+                f"multiple of the number of data-parallel ranks ({ranks})"
+            ]
+        if (samples_per_step // ranks) % self.micro_batch_size:
+            return [
+                f"{flag('update')}.micro_batch_size ({self.micro_batch_size}) must divide the per-rank batch "
+                f"({samples_per_step} samples / {ranks} ranks = {samples_per_step // ranks}): change either"
+            ]
+        return []
+
     def on_policy_tolerance(self, fp32: bool) -> float:
         """``on_policy_tol`` resolved: 1e-6 when the transformer holds and computes fp32, else 1e-3."""
         if self.on_policy_tol is not None:

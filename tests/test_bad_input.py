@@ -43,10 +43,10 @@ def run(
             "fit",
             "--config",
             config,
-            f"--model.policy.init_args.pretrained={tiny_sd3_path}",
+            f"--model.init_args.policy.init_args.pretrained={tiny_sd3_path}",
             f"--trainer.default_root_dir={tmp_path / 'run'}",
-            f"--data.train={prompts}",
-            f"--data.val={prompts}",
+            f"--data.init_args.train={prompts}",
+            f"--data.init_args.val={prompts}",
             *extra,
         ]
         with pytest.raises(SystemExit) as raised:
@@ -79,7 +79,10 @@ def _closed_port() -> int:
             r"--model\.init_args\.update\.micro_batch_size \(3\) must divide",
         ),
         # FlowGRPOModule.setup: the prompts against the reward's metadata
-        (["--model.reward.init_args.weights={geneval: 1.0}"], r"reward 'geneval' needs metadata field 'tag'"),
+        (
+            ["--model.init_args.reward.init_args.weights={geneval: 1.0}"],
+            r"reward 'geneval' needs metadata field 'tag'",
+        ),
         # FSDP2Strategy.setup_environment
         (
             [
@@ -100,8 +103,8 @@ def test_errors_after_the_trainer_starts_are_one_message(run, flags, expected) -
 def test_unreachable_remote_reward_is_one_message(run) -> None:
     url = f"http://127.0.0.1:{_closed_port()}/v1"
     err = run(
-        "--model.reward.init_args.weights={vlm_judge: 1.0}",
-        f"--model.reward.init_args.config={{vlm_judge: {{base_url: '{url}'}}}}",
+        "--model.init_args.reward.init_args.weights={vlm_judge: 1.0}",
+        f"--model.init_args.reward.init_args.config={{vlm_judge: {{base_url: '{url}'}}}}",
     )
     assert "--model.init_args.reward.init_args.config.vlm_judge.base_url" in err and "unreachable" in err
 
@@ -133,7 +136,7 @@ def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch, run) -> None
         ("prompts.csv", b"a cat\n", r"must end in \.txt .* or \.jsonl"),
     ],
 )
-@pytest.mark.parametrize("flag", ["--data.train", "--data.val"])
+@pytest.mark.parametrize("flag", ["--data.init_args.train", "--data.init_args.val"])
 def test_bad_prompt_files_name_the_flag_the_file_and_the_fault(
     run, tmp_path: Path, flag: str, name: str, content: bytes, expected: str
 ) -> None:
@@ -148,14 +151,16 @@ def test_bad_prompt_files_name_the_flag_the_file_and_the_fault(
 @pytest.mark.parametrize("kind", ["missing", "folder"])
 def test_prompt_path_that_is_no_file(run, tmp_path: Path, kind: str) -> None:
     path = tmp_path / "absent.txt" if kind == "missing" else tmp_path
-    err = run(f"--data.train={path}")
-    assert f"--data.train ({path}) {'does not exist' if kind == 'missing' else 'is a folder'}" in err
+    err = run(f"--data.init_args.train={path}")
+    assert (
+        f"--data.init_args.train ({path}) {'does not exist' if kind == 'missing' else 'is a folder'}" in err
+    )
 
 
 def test_utf8_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path: Path) -> None:
     path = tmp_path / "bom.txt"
     path.write_bytes("a cat\na dog\n".encode("utf-8-sig"))
-    assert read_prompts(str(path), "--data.train")[0] == {"prompt": "a cat"}
+    assert read_prompts(str(path), "--data.init_args.train")[0] == {"prompt": "a cat"}
 
 
 # -- class 3: a strategy FlowGRPOModule cannot run under, refused before Lightning's own checks ------
@@ -200,14 +205,14 @@ def test_unsupported_strategies_point_to_fsdp2_before_lightning_speaks(run, stra
         ),
         (
             [
-                "--model.performance.rollout_merged_lora=true",
-                "--model.lora=null",
-                "--model.reference_copy=true",
+                "--model.init_args.performance.rollout_merged_lora=true",
+                "--model.init_args.lora=null",
+                "--model.init_args.reference_copy=true",
             ],
             r"--model\.init_args\.performance\.rollout_merged_lora with a full fine-tune",
         ),
-        (["--data.max_val_prompts=0"], r"--data\.max_val_prompts \(0\) must be at least 1"),
-        (["--data.max_val_prompts=-1"], r"--data\.max_val_prompts \(-1\) must be at least 1"),
+        (["--data.init_args.max_val_prompts=0"], r"--data\.init_args\.max_val_prompts \(0\) must be at least 1"),
+        (["--data.init_args.max_val_prompts=-1"], r"--data\.init_args\.max_val_prompts \(-1\) must be at least 1"),
         (
             ["--trainer.logger=false"],
             r"--trainer\.logger=false with lightning\.pytorch\.callbacks\.LearningRateMonitor",
@@ -239,17 +244,23 @@ def test_config_checks_come_before_loading(run, flags, expected) -> None:
     ("flag", "expected"),
     [
         (
-            "--model.objective=grpo_guard",
-            "--model.objective (grpo_guard) takes a class path: --model.objective=lit_flowgrpo.objective.GRPOGuard",
+            "--model.init_args.objective=grpo_guard",
+            "--model.init_args.objective (grpo_guard) takes a class path: --model.init_args.objective=lit_flowgrpo.objective.GRPOGuard",
         ),
-        ("--model.objective=grpo_gaurd", "did you mean --model.objective=lit_flowgrpo.objective.GRPOGuard?"),
-        ("--model.loss=grpo_guard", "--model.loss was removed: the loss is chosen by --model.objective"),
         (
-            "--model.policy=lit_flowgrpo.policies.SD3Polcy",
+            "--model.init_args.objective=grpo_gaurd",
+            "did you mean --model.init_args.objective=lit_flowgrpo.objective.GRPOGuard?",
+        ),
+        (
+            "--model.loss=grpo_guard",
+            "--model.loss was removed: the loss is chosen by --model.init_args.objective",
+        ),
+        (
+            "--model.init_args.policy=lit_flowgrpo.policies.SD3Polcy",
             "lit_flowgrpo.policies has no SD3Polcy; did you mean lit_flowgrpo.policies.SD3Policy?",
         ),
         (
-            "--model.policy.class_path=lit_flowgrpo.polices.SD3Policy",
+            "--model.init_args.policy.class_path=lit_flowgrpo.polices.SD3Policy",
             "lit_flowgrpo has no polices; did you mean lit_flowgrpo.policies?",
         ),
         (
@@ -257,12 +268,12 @@ def test_config_checks_come_before_loading(run, flags, expected) -> None:
             "did you mean lit_flowgrpo.callbacks.TrainableEMA?",
         ),
         (
-            "--model.sampler.num_stpes=3",
-            "Sampler has no setting 'num_stpes'; did you mean --model.sampler.num_steps",
+            "--model.init_args.sampler.num_stpes=3",
+            "Sampler has no setting 'num_stpes'; did you mean --model.init_args.sampler.num_steps",
         ),
-        ("--data.prompt_per_step=3", "did you mean --data.prompts_per_step"),
+        ("--data.init_args.prompt_per_step=3", "did you mean --data.init_args.prompts_per_step"),
         (
-            "--model.reward.init_args.weights={jpeg_compressibility: .inf}",
+            "--model.init_args.reward.init_args.weights={jpeg_compressibility: .inf}",
             "'jpeg_compressibility' the weight inf: each weight must be a finite number",
         ),
     ],
@@ -295,9 +306,16 @@ def test_an_unknown_parse_error_keeps_jsonargparse_message(tmp_path: Path, capsy
 def test_more_prompts_per_step_than_distinct_prompts_is_refused(run, tmp_path: Path) -> None:
     two = tmp_path / "two.txt"
     two.write_text("a cat\na dog\na cat\n")  # 3 lines, 2 distinct prompts
-    err = run(f"--data.train={two}", "--data.prompts_per_step=3", "--data.group_size=2")
-    assert f"--data.prompts_per_step (3) is more than the 2 distinct prompts in --data.train ({two})" in err
-    assert "Set --data.prompts_per_step to at most 2" in err
+    err = run(
+        f"--data.init_args.train={two}",
+        "--data.init_args.prompts_per_step=3",
+        "--data.init_args.group_size=2",
+    )
+    assert (
+        f"--data.init_args.prompts_per_step (3) is more than the 2 distinct prompts in --data.init_args.train ({two})"
+        in err
+    )
+    assert "Set --data.init_args.prompts_per_step to at most 2" in err
 
 
 def test_repeated_prompt_lines_warn(tmp_path: Path) -> None:

@@ -268,14 +268,14 @@ def test_ckpt_path_last_without_a_fixed_checkpoint_folder_is_refused(
 def test_constructor_error_is_reported_once(
     tiny_sd3_path: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    message = "--data.group_size (1) must be at least 2"
+    message = "--data.init_args.group_size (1) must be at least 2"
     args = _fit_args(tiny_sd3_path, tmp_path, "--data.init_args.group_size=1")
     text = _main_error(args, capfd)
     assert text.count(message) == 1
     assert "Traceback" not in text and "Union subtypes" not in text and "Namespace(" not in text
     assert text.rstrip().endswith("GRPO needs a group to compare within")
 
-    with pytest.raises(SettingsError, match=r"--data\.group_size \(1\)") as raised:
+    with pytest.raises(SettingsError, match=r"--data\.init_args\.group_size \(1\)") as raised:
         FlowGRPOCLI(args=args)
     assert isinstance(raised.value, ValueError)
 

@@ -328,7 +328,8 @@ def test_fsdp2_needs_validation_evenly_split(tiny_sd3_path, prompt_file):
         )
 
     with pytest.raises(
-        ValueError, match=r"--data.val prompts × --data.val_seeds \(3\) must be a multiple of"
+        ValueError,
+        match=r"--data.init_args.val prompts × --data.init_args.val_seeds \(3\) must be a multiple of",
     ):
         _setup_under(_module(tiny_sd3_path), FSDP2Strategy(), data(2), world_size=2)
     _setup_under(_module(tiny_sd3_path), FSDP2Strategy(), data(3), world_size=3)  # 3 on 3 ranks: fine

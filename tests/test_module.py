@@ -280,7 +280,9 @@ def test_unscorable_batches_stop_the_run_instead_of_spinning(tiny_sd3_path, prom
 
 
 def test_bad_image_size_fails_before_loading(tiny_sd3_path):
-    with pytest.raises(ValueError, match=r"--model.sampler.height \(33\) must be a positive multiple of 16"):
+    with pytest.raises(
+        ValueError, match=r"--model.init_args.sampler.height \(33\) must be a positive multiple of 16"
+    ):
         make_module(tiny_sd3_path, height=33)
 
 
@@ -412,12 +414,12 @@ def test_validation_logs_reward_components(tiny_sd3_path, prompt_file, tmp_path)
 def test_empty_prompt_file(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
-    with pytest.raises(ValueError, match=r"--data.train .* holds no prompts"):
+    with pytest.raises(ValueError, match=r"--data.init_args.train .* holds no prompts"):
         PromptDataModule(train=str(empty))
 
 
 def test_group_size_below_two(prompt_file):
-    with pytest.raises(ValueError, match=r"--data.group_size \(1\) must be at least 2"):
+    with pytest.raises(ValueError, match=r"--data.init_args.group_size \(1\) must be at least 2"):
         PromptDataModule(train=prompt_file, group_size=1)
 
 
@@ -451,7 +453,7 @@ def test_bad_core_components_declaration_is_a_settings_problem(tiny_sd3_path):
 
 
 def test_missing_model_path(tmp_path):
-    with pytest.raises(ValueError, match=r"--model.policy.init_args.pretrained .* does not exist"):
+    with pytest.raises(ValueError, match=r"--model.init_args.policy.init_args.pretrained .* does not exist"):
         make_module(str(tmp_path / "nope" / "sd3"))
 
 

@@ -6,7 +6,7 @@ and the batches' ids to the metrics of :mod:`lit_flowgrpo.diversity`:
 - ``rollout/diversity``, every rollout: the mean pairwise distance between the samples of each prompt
   group (``batch.group_ids``), averaged over groups, all ranks;
 - ``val-aux/diversity``, every validation: the same over the seeds of each validation prompt (with
-  ``--data.val_seeds`` of 2 or more; validation's fixed seeds make it comparable between validations);
+  ``--data.init_args.val_seeds`` of 2 or more; validation's fixed seeds make it comparable between validations);
 - ``val-aux/drift``, every validation after the base model's: the mean distance of each validation
   sample from the base model's sample of the same prompt and seed (``batch.sample_ids``).
 

@@ -46,8 +46,8 @@ MMDIT_ATTENTION_PROJECTIONS = (
 )
 
 #: The sampler settings an image size comes from; :meth:`FlowPolicy.image_size_problems` names them.
-HEIGHT_FLAG = "--model.sampler.height"
-WIDTH_FLAG = "--model.sampler.width"
+HEIGHT_FLAG = "--model.init_args.sampler.height"
+WIDTH_FLAG = "--model.init_args.sampler.width"
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 # Where lit_flowgrpo.tiny's builders put their pipelines by default (`python -m lit_flowgrpo.tiny.<family>`).
@@ -198,7 +198,7 @@ class T5Truncation:
 
                 rank_zero_warn(
                     f"prompt {prompt[:60]!r}{'...' if len(prompt) > 60 else ''} has {n} T5 tokens; "
-                    f"--model.policy.init_args.max_sequence_length ({self.max_sequence_length}) keeps the "
+                    f"--model.init_args.policy.init_args.max_sequence_length ({self.max_sequence_length}) keeps the "
                     f"first {self.max_sequence_length} (reported for the first such prompt only)"
                 )
         quiet = _DropMessages(_DIFFUSERS_T5_NOTICE)

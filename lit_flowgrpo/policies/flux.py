@@ -64,7 +64,7 @@ class FluxPolicy(PackedLatentPolicy):
         out = super().problems()
         if not self.guidance_scale > 0:
             out.append(
-                f"--model.policy.init_args.guidance_scale ({self.guidance_scale}) must be positive "
+                f"--model.init_args.policy.init_args.guidance_scale ({self.guidance_scale}) must be positive "
                 "(FLUX.1-dev was distilled around 3.5)"
             )
         return out

@@ -37,7 +37,7 @@ from lit_flowgrpo.policies.base import (
 )
 from lit_flowgrpo.sde import flux_sigmas
 
-PRETRAINED_FLAG = "--model.policy.init_args.pretrained"
+PRETRAINED_FLAG = "--model.init_args.policy.init_args.pretrained"
 
 
 def read_model_index(pretrained: str, flag: str = PRETRAINED_FLAG) -> dict[str, Any]:
@@ -111,16 +111,18 @@ class PackedLatentPolicy(FlowPolicy):
         )
         if self.dtype_name not in ("float32", "bfloat16", "float16"):
             out.append(
-                f"--model.policy.init_args.dtype ({self.dtype_name}) must be float32, bfloat16 or float16"
+                f"--model.init_args.policy.init_args.dtype ({self.dtype_name}) must be float32, bfloat16 or float16"
             )
         if not 1 <= self.max_sequence_length <= self._max_tokens:
             out.append(
-                f"--model.policy.init_args.max_sequence_length ({self.max_sequence_length}) must be in "
+                f"--model.init_args.policy.init_args.max_sequence_length ({self.max_sequence_length}) must be in "
                 f"[1, {self._max_tokens}]: the text encoder of {type(self).__name__} takes at most "
                 f"{self._max_tokens} prompt tokens"
             )
         if self.prompt_cache_size < 0:
-            out.append(f"--model.policy.init_args.prompt_cache_size ({self.prompt_cache_size}) must be >= 0")
+            out.append(
+                f"--model.init_args.policy.init_args.prompt_cache_size ({self.prompt_cache_size}) must be >= 0"
+            )
         return out
 
     def _raise_problems(self) -> None:

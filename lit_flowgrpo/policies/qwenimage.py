@@ -40,7 +40,7 @@ class QwenImagePolicy(PackedLatentPolicy):
         dtype: Weights' dtype; the step math stays fp32.
         true_cfg_scale: The family's CFG scale (Qwen-Image samples with 4), exposed as
             ``self.guidance_scale``. :meth:`velocity` uses the scale it is given (the training
-            loop's ``--model.sampler.guidance_scale``, 1 in an update without CFG): set both alike.
+            loop's ``--model.init_args.sampler.guidance_scale``, 1 in an update without CFG): set both alike.
         negative_prompt: The unconditional prompt (the pipeline's examples use " ").
         max_sequence_length: Prompt tokens kept after the template prefix (the pipeline's limit, 1024).
         prompt_cache_size: Prompts whose conditioning stays cached (least recently used dropped);
@@ -87,12 +87,12 @@ class QwenImagePolicy(PackedLatentPolicy):
         out = super().problems()
         if not self.true_cfg_scale > 0:
             out.append(
-                f"--model.policy.init_args.true_cfg_scale ({self.true_cfg_scale}) must be positive "
+                f"--model.init_args.policy.init_args.true_cfg_scale ({self.true_cfg_scale}) must be positive "
                 "(Qwen-Image samples with 4; 1 turns guidance off)"
             )
         if not self.negative_prompt:
             out.append(
-                "--model.policy.init_args.negative_prompt is empty: the template needs at least one token "
+                "--model.init_args.policy.init_args.negative_prompt is empty: the template needs at least one token "
                 "of it; use ' ' (Qwen-Image's default) for an unconditional prompt"
             )
         return out

@@ -64,7 +64,7 @@ class SD3Policy(FlowPolicy):
         self._truncation = T5Truncation(max_sequence_length)
 
     def problems(self) -> list[str]:
-        flag = "--model.policy.init_args.pretrained"
+        flag = "--model.init_args.policy.init_args.pretrained"
         return check_pretrained(self.pretrained, flag) or check_family(
             self.pretrained, ("StableDiffusion3Pipeline",), flag, type(self).__name__
         )

@@ -46,7 +46,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from lit_flowgrpo.errors import SettingsError
+from lit_flowgrpo.errors import SettingsError, flag
 
 RewardValue = Tensor | dict[str, Tensor]
 
@@ -259,9 +259,21 @@ class MultiReward:
                 out.extend(f"reward {name!r}: {problem}" for problem in hook(records))
         return out
 
+    def settings_problems(self) -> list[str]:
+        """Problems of the reward's own settings (empty when fine), found before any weight is read."""
+        p = []
+        weights = getattr(self, "weights", None)
+        if isinstance(weights, dict) and weights and not any(weights.values()):
+            p.append(f"{flag('reward')}.weights are all 0 ({weights}): the reward is 0 by construction")
+        try:
+            _ = self.core_components  # checks each reward's declaration
+        except TypeError as err:
+            p.append(str(err))
+        return p
+
     def prompt_problems(self, prompts: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
         """What the rewards find wrong with every prompt the run will draw (``{flag: records}``, e.g.
-        ``{"--data.train": [...]}``): missing metadata fields and each reward's :meth:`problems`, at
+        ``{"--data.init_args.train": [...]}``): missing metadata fields and each reward's :meth:`problems`, at
         most 10 lines per flag. Called at setup, not when a rollout first draws a prompt."""
         records = [r for part in prompts.values() for r in part]
         out = []

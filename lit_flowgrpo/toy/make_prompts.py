@@ -15,7 +15,7 @@ How the lists are made, per family (stratified: every family gets its share of b
    proportion to ``world.record_weight`` (largest remainders), so prompts repeat: the list is a
    prompt distribution, which the data module samples without replacement.
 4. The validation list is ordered so that every prefix keeps the family mix
-   (``--data.max_val_prompts`` takes a prefix).
+   (``--data.init_args.max_val_prompts`` takes a prefix).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from lit_flowgrpo.toy.model import (
     predict_velocity,
 )
 
-_FLAG = "--model.policy.init_args"
+_FLAG = "--model.init_args.policy.init_args"
 
 
 class ToyPolicy(FlowPolicy):

@@ -16,7 +16,7 @@ from peft import LoraConfig
 
 from lit_flowgrpo.policies.flux import FluxPolicy
 
-FLAG = "--model.policy.init_args.pretrained"
+FLAG = "--model.init_args.policy.init_args.pretrained"
 PROMPTS = ["a red cat", "two blue dogs, 3 birds"]
 SIZE = 32
 STEPS = 4
@@ -209,8 +209,8 @@ def test_bad_pretrained_names_the_flag(tmp_path, tiny_flux_path: str, tiny_qweni
 def test_bad_settings_are_reported_together(tiny_flux_path: str) -> None:
     problems = FluxPolicy(tiny_flux_path, guidance_scale=0.0, max_sequence_length=1000).problems()
     assert len(problems) == 2
-    assert "--model.policy.init_args.guidance_scale (0.0)" in problems[1]
-    assert "--model.policy.init_args.max_sequence_length (1000)" in problems[0]
+    assert "--model.init_args.policy.init_args.guidance_scale (0.0)" in problems[1]
+    assert "--model.init_args.policy.init_args.max_sequence_length (1000)" in problems[0]
 
 
 def test_image_size_must_fit_the_packing(policy: FluxPolicy) -> None:

@@ -78,12 +78,12 @@ def test_image_size_is_checked_before_loading(policy: FlowPolicy, multiple: int)
     assert policy.image_size_problems(2 * multiple, 3 * multiple) == []
     height, width = policy.image_size_problems(2 * multiple + 1, 0)
     assert height.startswith(
-        f"--model.sampler.height ({2 * multiple + 1}) must be a positive multiple of {multiple}"
+        f"--model.init_args.sampler.height ({2 * multiple + 1}) must be a positive multiple of {multiple}"
     )
     assert f"use {2 * multiple}, for example" in height
-    assert width.startswith(f"--model.sampler.width (0) must be a positive multiple of {multiple}")
+    assert width.startswith(f"--model.init_args.sampler.width (0) must be a positive multiple of {multiple}")
     assert policy.image_size_problems(33.0, multiple) == [  # type: ignore[arg-type]
-        "--model.sampler.height (33.0) must be an integer number of pixels"
+        "--model.init_args.sampler.height (33.0) must be an integer number of pixels"
     ]
 
 

@@ -36,7 +36,9 @@ def test_a_long_prompt_is_reported_once_by_its_flag_and_short_ones_never(
         policy.encode_prompts(["", "a dog", OTHER_LONG])
     ours = [str(w.message) for w in caught if "max_sequence_length" in str(w.message)]
     assert len(ours) == 1, ours
-    assert "--model.policy.init_args.max_sequence_length (8)" in ours[0] and repr(LONG[:60]) in ours[0]
+    assert (
+        "--model.init_args.policy.init_args.max_sequence_length (8)" in ours[0] and repr(LONG[:60]) in ours[0]
+    )
     # The pipeline's own notice, which listed an empty "truncated part" for every prompt of the batch,
     # is not printed.
     assert "truncated" not in capfd.readouterr().err

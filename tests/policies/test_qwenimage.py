@@ -11,7 +11,7 @@ from peft import LoraConfig
 
 from lit_flowgrpo.policies.qwenimage import QwenImagePolicy
 
-FLAG = "--model.policy.init_args.pretrained"
+FLAG = "--model.init_args.policy.init_args.pretrained"
 PROMPTS = ["a red cat", "two blue dogs and three birds"]  # different token counts
 SIZE = 32
 STEPS = 4
@@ -208,4 +208,4 @@ def test_bad_input_names_the_flag(tmp_path, tiny_flux_path: str, tiny_qwenimage_
     for flag, problem in zip(
         ("max_sequence_length", "true_cfg_scale", "negative_prompt"), problems, strict=True
     ):
-        assert problem.startswith(f"--model.policy.init_args.{flag}")
+        assert problem.startswith(f"--model.init_args.policy.init_args.{flag}")

@@ -208,8 +208,8 @@ def test_missing_and_corrupt_checkpoints_say_how_to_regenerate(
     tmp_path: os.PathLike, tiny_checkpoint: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     missing = ToyPolicy(str(tmp_path / "nope.safetensors"))
-    assert any("--model.policy.init_args.pretrained" in p for p in missing.problems())
-    with pytest.raises(ValueError, match=r"--model\.policy\.init_args\.pretrained"):
+    assert any("--model.init_args.policy.init_args.pretrained" in p for p in missing.problems())
+    with pytest.raises(ValueError, match=r"--model\.init_args\.policy\.init_args\.pretrained"):
         missing.load()
 
     # The shipped default gone (a packaging mistake): the problem says how to get it back.
@@ -238,7 +238,10 @@ def test_missing_and_corrupt_checkpoints_say_how_to_regenerate(
 def test_bad_settings_are_reported(tiny_checkpoint: str) -> None:
     problems = ToyPolicy(tiny_checkpoint, dtype="float64", shift=0.0).problems()  # type: ignore[arg-type]
     assert len(problems) == 2
-    assert "--model.policy.init_args.dtype" in problems[0] and "--model.policy.init_args.shift" in problems[1]
+    assert (
+        "--model.init_args.policy.init_args.dtype" in problems[0]
+        and "--model.init_args.policy.init_args.shift" in problems[1]
+    )
     with pytest.raises(ValueError, match="divisible by 2"):
         _loaded(tiny_checkpoint).latent_shape(31, 32)
     with pytest.raises(RuntimeError, match="load"):

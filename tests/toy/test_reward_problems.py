@@ -58,7 +58,7 @@ def test_module_setup_names_bad_prompts_before_loading(tmp_path) -> None:
     data = PromptDataModule(train=str(train), prompts_per_step=2, group_size=2)
     trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False)
     with pytest.raises(
-        ValueError, match=r"--data.train: reward 'shapes': prompt record 5 \('a red dragon'\)"
+        ValueError, match=r"--data.init_args.train: reward 'shapes': prompt record 5 \('a red dragon'\)"
     ):
         trainer.fit(module, datamodule=data)
     assert not module._configured  # failed in setup, before configure_model read any weight

@@ -275,7 +275,7 @@ def test_prompt_lists_are_stratified_by_family() -> None:
         freq = Counter(r["tag"] for r in records)
         for family, weight in world.FAMILY_WEIGHTS.items():
             assert abs(freq[family] - weight * size) <= 1, (split, family)
-    # Every prefix keeps the mix (--data.max_val_prompts takes one).
+    # Every prefix keeps the mix (--data.init_args.max_val_prompts takes one).
     val = world.load_prompts("val")
     for n in (60, 100, 180):
         freq = Counter(r["tag"] for r in val[:n])
