@@ -93,6 +93,32 @@ PLANS["levers2"] = {
     "nft_lr5e-6_beta0.1": ("configs/quickstart_nft.yaml", [LR + "5e-6", NFT + "beta=0.1"]),
 }
 
+# Reward hacking: trained on the gameable colour proxy, judged by the strict verifier (gold).
+TWO = '--model.init_args.reward.init_args.weights={"shapes_color": 1.0, "shapes/partial": 1.0, "shapes/strict": 0.0}'
+PLANS["hacking"] = {
+    "flow_grpo_proxy": ("configs/hacking_proxy.yaml", []),
+    "grpo_guard_proxy": (
+        "configs/hacking_proxy.yaml",
+        [
+            "--model.init_args.objective=lit_flowgrpo.objective.GRPOGuard",
+            "--model.init_args.objective.init_args.clip_range=1e-5",
+        ],
+    ),
+    "sum_proxy_partial": ("configs/hacking_proxy.yaml", [TWO]),
+    "gdpo_proxy_partial": (
+        "configs/hacking_proxy.yaml",
+        [TWO, "--model.init_args.advantage.aggregation=gdpo", "--model.init_args.advantage.std=group"],
+    ),
+}
+#: validation and rollout keys besides the held-out one, kept per rollout when a run logs them
+EXTRA_KEYS = (
+    "val-aux/shapes_color/mean@1",
+    "val-aux/shapes_color_gap/mean@1",
+    "val-aux/drift",
+    "val-aux/diversity",
+    "rollout/diversity",
+)
+
 HELD_OUT = "val-core/shapes/strict/mean@1"
 PROXY = "critic/rewards/shapes/strict/mean"
 STEP_TIME = "perf/time_per_step"
@@ -163,6 +189,7 @@ def run(opts: argparse.Namespace) -> None:
 def read_run(folder: Path) -> dict:
     files = sorted(folder.rglob("metrics.csv"), key=lambda p: p.stat().st_mtime)
     held, proxy, step_s = {}, {}, {}
+    extra: dict[str, dict[int, float]] = {}
     for row in csv.DictReader(files[-1].read_text().splitlines()) if files else []:
         step = int(float(row["step"]))
         if row.get(HELD_OUT):
@@ -171,6 +198,10 @@ def read_run(folder: Path) -> dict:
             # outside any epoch) at 0
             held[step + 1 if row.get("epoch") else 0] = float(row[HELD_OUT])
         rollout = step + 1  # 1-based, as the progress bar counts
+        for key in EXTRA_KEYS:
+            if row.get(key):
+                at = (step + 1 if row.get("epoch") else 0) if key.startswith("val") else rollout
+                extra.setdefault(key, {})[at] = float(row[key])
         if row.get(PROXY):
             proxy[rollout] = float(row[PROXY])
         if row.get(STEP_TIME):
@@ -179,7 +210,7 @@ def read_run(folder: Path) -> dict:
     paired = _paired(folder)
     return {
         "label": label, "seed": int(seed), "held_out": held, "proxy": proxy,
-        "s_per_rollout": step_s, "paired": paired,
+        "s_per_rollout": step_s, "paired": paired, "extra": extra,
     }  # fmt: skip
 
 
@@ -225,6 +256,8 @@ def report(opts: argparse.Namespace) -> None:
             "seeds": [r["seed"] for r in group],
             "held_out": {k: v for k, v in curve.items()},
             "proxy": {r["seed"]: r["proxy"] for r in group},
+            "extra": {r["seed"]: r["extra"] for r in group},
+            "paired": {r["seed"]: r["paired"] for r in group},
         }
         if len(common) >= 2:
             first, last = common[0], common[-1]
@@ -249,6 +282,8 @@ def report(opts: argparse.Namespace) -> None:
         print(f"wrote {opts.json}")
     if opts.plot:
         _plot(runs, labels, timing, opts)
+    if opts.plot_panels:
+        _plot_panels(runs, labels, opts.plot_panels)
 
 
 def _within(curve: dict[int, list[float]], s_per_rollout: float, opts: argparse.Namespace) -> dict:
@@ -282,15 +317,16 @@ def _plot(runs: list[dict], labels: list[str], timing: dict, opts: argparse.Name
         xs = [common]
         if timing and label in timing:
             s = timing[label]["s_per_rollout"]
-            evals = opts.eval_samples * opts.s_per_sample
-            xs.append([(k * s + evals + opts.startup_s) / 60 for k in common])
+            # when the evaluation after k rollouts has printed its number: the base's, k rollouts, its own
+            e = opts.eval_samples * opts.s_per_sample
+            xs.append([(opts.startup_s + e + k * s + (e if k else 0)) / 60 for k in common])
         for ax, x in zip(axes[0], xs, strict=False):
             ax.fill_between(x, lo, hi, color=c, alpha=0.15, linewidth=0)
             ax.plot(x, mean, "o-", color=c, markersize=3, label=f"{label} ({len(group)} seeds)")
     axes[0][0].set_xlabel("rollouts (64 images each)")
     axes[0][0].set_ylabel("held-out strict accuracy (mean; band: seeds' range)")
     if timing:
-        axes[0][1].set_xlabel("minutes of a 2-core CPU (from timing runs, base evaluation included)")
+        axes[0][1].set_xlabel("minutes of a 2-core CPU until the number is printed (from timing runs)")
         axes[0][1].axvline(opts.minutes, color="grey", linestyle=":", linewidth=1)
     for ax in axes[0]:
         ax.grid(alpha=0.3)
@@ -299,6 +335,45 @@ def _plot(runs: list[dict], labels: list[str], timing: dict, opts: argparse.Name
     opts.plot.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(opts.plot, dpi=120)
     print(f"wrote {opts.plot}")
+
+
+def _plot_panels(runs: list[dict], labels: list[str], path: Path) -> None:
+    """Held-out accuracy and each extra validation key a run logged, one panel each, against rollouts:
+    mean over seeds, the band their range (the reward-hacking picture: gold, proxy, diversity, drift)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [HELD_OUT] + [k for k in EXTRA_KEYS if k.startswith("val") and any(k in r["extra"] for r in runs)]
+    cols = 2
+    rows = (len(keys) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.6 * rows), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for n, key in enumerate(keys):
+        ax = axes[n // cols][n % cols]
+        for i, label in enumerate(labels):
+            series = [r["held_out"] if key == HELD_OUT else r["extra"].get(key, {}) for r in runs]
+            series = [x for r, x in zip(runs, series, strict=True) if r["label"] == label and x]
+            if not series:
+                continue
+            common = sorted(set.intersection(*(set(x) for x in series)))
+            mean = [statistics.mean(x[k] for x in series) for k in common]
+            c = colours[i % len(colours)]
+            lo = [min(x[k] for x in series) for k in common]
+            hi = [max(x[k] for x in series) for k in common]
+            ax.fill_between(common, lo, hi, color=c, alpha=0.15, linewidth=0)
+            ax.plot(common, mean, "o-", color=c, markersize=3, label=f"{label} ({len(series)} seeds)")
+        ax.set_title(key if key != HELD_OUT else f"{key} (gold)", fontsize=9)
+        ax.set_xlabel("rollouts")
+        ax.grid(alpha=0.3)
+    for n in range(len(keys), rows * cols):
+        axes[n // cols][n % cols].axis("off")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 def main() -> None:
@@ -325,7 +400,8 @@ def main() -> None:
     p.add_argument("--s_per_sample", type=float, default=0.28, help="seconds per evaluated sample")
     p.add_argument("--startup_s", type=float, default=15.0)
     p.add_argument("--json", type=Path)
-    p.add_argument("--plot", type=Path)
+    p.add_argument("--plot", type=Path, help="held-out accuracy against rollouts (and CPU minutes)")
+    p.add_argument("--plot_panels", type=Path, help="a panel per logged validation key (reward hacking)")
     opts = parser.parse_args()
     run(opts) if opts.cmd == "run" else report(opts)
 

@@ -545,7 +545,10 @@ class DiffusionNFT(Objective):
       per (rollout, inner epoch, sample, visit). A visit runs v_old (no grad), v_ref when
       ``kl_coef`` > 0, and v_θ.
     - **Old-policy refresh**: after each rollout's update, θ_old ← η·θ_old + (1 − η)·θ with
-      η = :func:`~lit_flowgrpo.algorithms.nft_old_policy_decay` of the optimizer steps so far.
+      η = :func:`~lit_flowgrpo.algorithms.nft_old_policy_decay` of the optimizer steps taken so far
+      (Lightning's ``global_step``). A step skipped for a non-finite gradient moves neither θ nor the
+      schedule, since nothing was learnt to average in; the reference skips no step, so the two
+      counts agree wherever none is skipped.
 
     Args:
         beta: β of the implicit policies (published 1.0; 0.1 in the OCR and multi-reward recipes).
