@@ -71,7 +71,8 @@ class Learner(L.LightningModule):
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> dict:
         strict = torch.full((4,), 0.1 * self.trainer.global_step)  # restored on resume
-        return {"rewards": {"shapes/strict": strict}, "images": torch.zeros(4, 3, 8, 8), "prompts": ["p"] * 4}
+        images = torch.zeros(4, 3, 8, 8, device=self.device)  # where the module's samples are
+        return {"rewards": {"shapes/strict": strict}, "images": images, "prompts": ["p"] * 4}
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD([self.w], lr=0.1)
@@ -86,9 +87,10 @@ def fit(
     ckpt: str | None = None,
     module: L.LightningModule | None = None,
     logger: Any = False,
+    accelerator: str = "cpu",
 ) -> None:
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         max_steps=max_steps,
         max_epochs=-1,
         val_check_interval=2,
@@ -263,3 +265,12 @@ def test_a_proxy_is_reported_and_its_gap_logged(tmp_path: Path, capsys) -> None:
 def test_a_proxy_must_differ_from_the_tracked_component() -> None:
     with pytest.raises(ValueError, match="must differ"):
         HeldOutReport(proxy="shapes/strict")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_picture_is_drawn_from_samples_on_a_gpu(tmp_path: Path) -> None:
+    report = HeldOutReport()
+    fit(tmp_path, report, max_steps=2, module=PairedLearner(), accelerator="cuda")
+    assert report.paired_gain() is not None
+    assert (tmp_path / "base_vs_tuned.png").is_file()  # failed before: CUDA samples cannot become numpy
