@@ -34,6 +34,16 @@ __all__ = [
 ]
 
 
+def _check_group_settings(group_ids: Tensor, std: str, eps: float) -> None:
+    """The checks every group normalisation shares: integer group ids, a known ``std``, ``eps`` ≥ 0."""
+    if group_ids.dtype.is_floating_point or group_ids.dtype.is_complex or group_ids.dtype == torch.bool:
+        raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
+    if std not in ("global", "group"):
+        raise ValueError(f"std ({std!r}) must be 'global' or 'group'")
+    if not eps >= 0:
+        raise ValueError(f"eps ({eps}) must be >= 0")
+
+
 def group_advantages(
     rewards: Tensor,
     group_ids: Tensor,
@@ -63,12 +73,7 @@ def group_advantages(
         raise ValueError(
             f"group_ids {tuple(group_ids.shape)} must have the shape of rewards {tuple(rewards.shape)}"
         )
-    if group_ids.dtype.is_floating_point or group_ids.dtype.is_complex or group_ids.dtype == torch.bool:
-        raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
-    if std not in ("global", "group"):
-        raise ValueError(f"std ({std!r}) must be 'global' or 'group'")
-    if not eps >= 0:
-        raise ValueError(f"eps ({eps}) must be >= 0")
+    _check_group_settings(group_ids, std, eps)
     if not bool(torch.isfinite(rewards).all()):
         raise ValueError(
             "rewards contain NaN or inf: drop the samples whose reward failed before computing advantages"
@@ -161,12 +166,7 @@ def gdpo_advantages(
         raise ValueError(
             f"group_ids {tuple(group_ids.shape)} must have shape (N,) = ({components.shape[1]},)"
         )
-    if group_ids.dtype.is_floating_point or group_ids.dtype.is_complex or group_ids.dtype == torch.bool:
-        raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
-    if std not in ("global", "group"):
-        raise ValueError(f"std ({std!r}) must be 'global' or 'group'")
-    if not eps >= 0:
-        raise ValueError(f"eps ({eps}) must be >= 0")
+    _check_group_settings(group_ids, std, eps)
     out_dtype = components.dtype if components.dtype.is_floating_point else torch.float32
     count_c, n = components.shape
     if n == 0:
