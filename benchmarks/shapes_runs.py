@@ -110,6 +110,36 @@ PLANS["hacking"] = {
         [TWO, "--model.init_args.advantage.aggregation=gdpo", "--model.init_args.advantage.std=group"],
     ),
 }
+# GARDO's controls (configs/hacking_gardo.yaml) beside Flow-GRPO with a plain KL to the initial model, and
+# Flow-GRPO with the KL only measured (its curve); a sweep of β first (one seed), then the chosen β on 3.
+OBJ = "--model.init_args.objective.init_args."
+MEASURE_KL = ["--model.init_args.diagnostics.reference_kl=true", "--model.init_args.reference_copy=true"]
+PLAIN_KL = ["--model.init_args.reference_copy=true"]
+PLANS["gardo_sweep"] = {
+    "flow_grpo_proxy_klmeasured": ("configs/hacking_proxy.yaml", MEASURE_KL),
+    **{
+        f"kl{b}_proxy": ("configs/hacking_proxy.yaml", [*PLAIN_KL, OBJ + f"kl_coef={b}"])
+        for b in ("0.04", "0.4", "4", "40")
+    },
+    **{f"gardo_b{b}": ("configs/hacking_gardo.yaml", [OBJ + f"kl_coef={b}"]) for b in ("0.4", "4", "40")},
+    "gardo_b4_initial_ref": (
+        "configs/hacking_gardo.yaml",
+        [
+            OBJ + "kl_coef=4",
+            "--model.init_args.reference.mode=initial",
+            "--model.init_args.reference.refresh_every=null",
+        ],
+    ),
+    "diversity_bonus_only": (
+        "configs/hacking_gardo.yaml",
+        [
+            OBJ + "kl_coef=0",
+            "--model.init_args.advantage.kl_gate=null",
+            "--model.init_args.reference.mode=initial",
+            "--model.init_args.reference.refresh_every=null",
+        ],
+    ),
+}
 #: validation and rollout keys besides the held-out one, kept per rollout when a run logs them
 EXTRA_KEYS = (
     "val-aux/shapes_color/mean@1",
@@ -117,6 +147,8 @@ EXTRA_KEYS = (
     "val-aux/drift",
     "val-aux/diversity",
     "rollout/diversity",
+    "actor/kl_loss",
+    "actor/kl_gated_fraction",
 )
 
 HELD_OUT = "val-core/shapes/strict/mean@1"

@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "AdvantageSettings": "lit_flowgrpo.advantages",
     "DiagnosticsSettings": "lit_flowgrpo.metrics",
+    "DiversityBonus": "lit_flowgrpo.advantages",
     "FlowDPPO": "lit_flowgrpo.objective",
     "FlowGRPO": "lit_flowgrpo.objective",
     "FlowGRPOModule": "lit_flowgrpo.module",
@@ -21,11 +22,13 @@ _EXPORTS = {
     "GRPOGuard": "lit_flowgrpo.objective",
     "GRPOGuardRatioNorm": "lit_flowgrpo.objective",
     "GroupSampler": "lit_flowgrpo.data",
+    "KLGate": "lit_flowgrpo.advantages",
     "LoraSettings": "lit_flowgrpo.lora",
     "Objective": "lit_flowgrpo.objective",
     "PerformanceSettings": "lit_flowgrpo.performance",
     "PromptBatch": "lit_flowgrpo.data",
     "PromptDataModule": "lit_flowgrpo.data",
+    "ReferenceSettings": "lit_flowgrpo.lora",
     "Sampler": "lit_flowgrpo.rollout",
     "UpdateSettings": "lit_flowgrpo.update",
 }
@@ -33,6 +36,7 @@ _EXPORTS = {
 __all__ = [
     "AdvantageSettings",
     "DiagnosticsSettings",
+    "DiversityBonus",
     "FSDP2Strategy",
     "FlowDPPO",
     "FlowGRPO",
@@ -40,19 +44,21 @@ __all__ = [
     "GRPOGuard",
     "GRPOGuardRatioNorm",
     "GroupSampler",
+    "KLGate",
     "LoraSettings",
     "Objective",
     "PerformanceSettings",
     "PromptBatch",
     "PromptDataModule",
+    "ReferenceSettings",
     "Sampler",
     "UpdateSettings",
 ]
 
 if TYPE_CHECKING:
-    from lit_flowgrpo.advantages import AdvantageSettings
+    from lit_flowgrpo.advantages import AdvantageSettings, DiversityBonus, KLGate
     from lit_flowgrpo.data import GroupSampler, PromptBatch, PromptDataModule
-    from lit_flowgrpo.lora import LoraSettings
+    from lit_flowgrpo.lora import LoraSettings, ReferenceSettings
     from lit_flowgrpo.metrics import DiagnosticsSettings
     from lit_flowgrpo.module import FlowGRPOModule
     from lit_flowgrpo.objective import FlowDPPO, FlowGRPO, GRPOGuard, GRPOGuardRatioNorm, Objective

@@ -18,16 +18,153 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lit_flowgrpo.algorithms import gdpo_advantages, group_advantages
+from lit_flowgrpo.algorithms import (
+    diversity_multipliers,
+    gardo_uncertainty,
+    gated_kl_weights,
+    gdpo_advantages,
+    group_advantages,
+)
 from lit_flowgrpo.distributed import DataParallel
 from lit_flowgrpo.errors import MODEL
 from lit_flowgrpo.errors import flag as flag_of
 from lit_flowgrpo.rewards.base import CallableReward, MultiReward, RewardOutput
 
-__all__ = ["AGGREGATIONS", "AdvantageSettings", "BatchAdvantages"]
+__all__ = ["AGGREGATIONS", "AdvantageSettings", "BatchAdvantages", "DiversityBonus", "KLGate"]
 
 #: How the reward components become one advantage (:attr:`AdvantageSettings.aggregation`).
 AGGREGATIONS = ("sum", "gdpo")
+
+
+@dataclass
+class KLGate:
+    """GARDO's gated KL (arXiv:2512.24138, Sec. 4.1): the KL penalty only on the samples whose trained
+    reward looks least trustworthy, the rest trained freely.
+
+    Each sample's uncertainty is how much more the trained (``proxy``) reward ranks it than the
+    ``auxiliary`` rewards do (:func:`~lit_flowgrpo.algorithms.gardo_uncertainty`, over every rank's
+    batch); the top ``fraction`` of the samples it over-rates carry the KL, as a mean over them
+    (:func:`~lit_flowgrpo.algorithms.gated_kl_weights`). The auxiliary rewards are reward components
+    scored but not trained on (weight 0 in the ``MultiReward``), as GARDO's aesthetic and ImageReward
+    scores are beside its proxy.
+
+    ``adaptive``: GARDO's controller moves ``fraction`` with the risk it sees: the batch's mean positive
+    uncertainty above every one of the last ``window`` batches multiplies it by 1 + ``rate``, below
+    every one by 1 − ``rate``, kept within ``fraction_range`` (the released script: 0.1 to start, ×1.1 or
+    ×0.9, window 20, range [0.02, 0.2]). Its state is checkpointed.
+
+    Args:
+        proxy: the reward component trained on (a key of the reward's components, e.g. ``shapes_color``).
+        auxiliary: the components that judge it (at least one).
+        fraction: the share of the over-rated samples gated (to start with, when ``adaptive``), in (0, 1].
+        adaptive: move ``fraction`` with the uncertainty, as above.
+        fraction_range: ``adaptive``: the bounds of ``fraction``.
+        rate: ``adaptive``: the relative step of ``fraction``.
+        window: ``adaptive``: the batches the risk is compared with.
+    """
+
+    proxy: str = ""
+    auxiliary: list[str] = field(default_factory=list)
+    fraction: float = 0.1
+    adaptive: bool = True
+    fraction_range: tuple[float, float] = (0.02, 0.2)
+    rate: float = 0.1
+    window: int = 20
+
+    def __post_init__(self) -> None:
+        self.fraction_range = tuple(self.fraction_range)  # type: ignore[assignment]
+        self._current = self.fraction
+        self._risks: list[float] = []
+
+    def problems(self, flag: str, components: list[str] | None) -> list[str]:
+        p = []
+        if not 0 < self.fraction <= 1:
+            p.append(
+                f"{flag}.fraction ({self.fraction}) must lie in (0, 1]: the share of over-rated samples gated"
+            )
+        low, high = self.fraction_range
+        if not 0 < low <= high <= 1:
+            p.append(f"{flag}.fraction_range ({list(self.fraction_range)}) must satisfy 0 < low <= high <= 1")
+        elif self.adaptive and not low <= self.fraction <= high:
+            p.append(
+                f"{flag}.fraction ({self.fraction}) must lie within fraction_range {list(self.fraction_range)}"
+            )
+        if not 0 < self.rate < 1:
+            p.append(f"{flag}.rate ({self.rate}) must lie in (0, 1)")
+        if self.window < 1:
+            p.append(f"{flag}.window ({self.window}) must be at least 1")
+        if not self.proxy:
+            p.append(f"{flag}.proxy is empty: name the reward component trained on, e.g. shapes_color")
+        if not self.auxiliary:
+            p.append(
+                f"{flag}.auxiliary is empty: name at least one reward component that judges the proxy "
+                "(scored with weight 0), e.g. [shapes/partial]"
+            )
+        if components is not None:
+            unknown = [c for c in [self.proxy, *self.auxiliary] if c and c not in components]
+            if unknown:
+                p.append(
+                    f"{flag} names {unknown}, which the reward does not compute (its components: {components}): "
+                    "add them to the reward's weights (weight 0 scores without training on it)"
+                )
+        return p
+
+    def weights(self, proxy: Tensor, auxiliary: Tensor) -> tuple[Tensor, dict[str, float]]:
+        """(N,) KL weights of every rank's samples and what to log; moves ``fraction`` when adaptive."""
+        u = gardo_uncertainty(proxy, auxiliary)
+        positive = u[u > 0]
+        if self.adaptive and positive.numel():
+            # GARDO's risk controller, on the mean positive uncertainty of this batch.
+            risk = float(positive.mean())
+            if self._risks and risk > max(self._risks):
+                self._current *= 1 + self.rate
+            elif self._risks and risk < min(self._risks):
+                self._current *= 1 - self.rate
+            self._current = min(max(self._current, self.fraction_range[0]), self.fraction_range[1])
+            self._risks = [*self._risks, risk][-self.window :]
+        w = gated_kl_weights(u, self._current)
+        gated = float((w > 0).float().mean())
+        return w, {"actor/kl_gated_fraction": gated, "actor/kl_gate_target": self._current}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fraction": self._current, "risks": list(self._risks)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._current = float(state["fraction"])
+        self._risks = [float(r) for r in state["risks"]]
+
+
+@dataclass
+class DiversityBonus:
+    """GARDO's diversity-aware advantage (arXiv:2512.24138, Sec. 4.3): each positive advantage scaled by
+    its sample's distance to the nearest other sample of its group, over the group's mean
+    (:func:`~lit_flowgrpo.algorithms.diversity_multipliers`).
+
+    The features are the images averaged down to ``pool``×``pool`` cells
+    (:func:`~lit_flowgrpo.diversity.pooled_pixels`: no model to download); GARDO uses DINOv3 embeddings
+    with ``cosine``. Layout and colour are what pooled pixels keep, which is what tells two drawings of
+    one prompt apart in the shapes world.
+
+    Args:
+        pool: cells a side of the pooled image.
+        distance: ``cosine`` (1 − cos, GARDO's) or ``mse`` (mean squared difference per feature).
+    """
+
+    pool: int = 16
+    distance: Literal["mse", "cosine"] = "cosine"
+
+    def problems(self, flag: str) -> list[str]:
+        p = []
+        if self.pool < 1:
+            p.append(f"{flag}.pool ({self.pool}) must be at least 1")
+        if self.distance not in ("mse", "cosine"):
+            p.append(f"{flag}.distance ({self.distance!r}) must be mse or cosine")
+        return p
+
+    def features(self, images: Tensor) -> Tensor:
+        from lit_flowgrpo.diversity import pooled_pixels
+
+        return pooled_pixels(images, self.pool)
 
 
 @dataclass
@@ -53,6 +190,9 @@ class AdvantageSettings:
             components keep their weights); a component a whole group lacks is left out of that group,
             counted in ``reward/nan_groups/<component>``; a group no component scored is not trained on
             (``reward/unscored_groups``).
+        kl_gate: GARDO's gated KL (:class:`KLGate`): the KL penalty on the samples the trained reward
+            over-rates only; ``None`` puts it on every sample.
+        diversity_bonus: GARDO's diversity-aware advantage (:class:`DiversityBonus`); ``None``: off.
     """
 
     std: Literal["global", "group"] = "global"
@@ -60,6 +200,8 @@ class AdvantageSettings:
     max_reward_failure_rate: float = 1.0
     max_idle_rollouts: int = 5
     aggregation: Literal["sum", "gdpo"] = "sum"
+    kl_gate: KLGate | None = None
+    diversity_bonus: DiversityBonus | None = None
 
     def problems(self, flag: str = "--model.init_args.advantage", reward: Any = None) -> list[str]:
         """Every problem with these settings, and with ``reward`` for this aggregation (empty when fine)."""
@@ -72,6 +214,11 @@ class AdvantageSettings:
             p.append(f"{flag}.aggregation ({self.aggregation!r}) must be one of {', '.join(AGGREGATIONS)}")
         elif self.aggregation == "gdpo" and reward is not None:
             p += _gdpo_reward_problems(flag, reward)
+        if self.kl_gate is not None:
+            components = list(reward.weights) if isinstance(reward, MultiReward) else None
+            p += self.kl_gate.problems(f"{flag}.kl_gate", components)
+        if self.diversity_bonus is not None:
+            p += self.diversity_bonus.problems(f"{flag}.diversity_bonus")
         return p
 
     def advantages(self, rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, float]:
@@ -94,7 +241,12 @@ class AdvantageSettings:
         return adv, failure_rate
 
     def for_batch(
-        self, rewards: RewardOutput, group_ids: Tensor, reward: MultiReward, dp: DataParallel
+        self,
+        rewards: RewardOutput,
+        group_ids: Tensor,
+        reward: MultiReward,
+        dp: DataParallel,
+        images: Tensor | None = None,
     ) -> BatchAdvantages:
         """This rank's advantages of one rollout batch, from every rank's rewards.
 
@@ -103,12 +255,21 @@ class AdvantageSettings:
             group_ids: (B,) int64 group of each sample, on the device the advantages are wanted on.
             reward: the reward that produced ``rewards`` (its weights, for ``aggregation: gdpo``).
             dp: the data-parallel peers whose rewards are gathered.
+            images: (B, 3, H, W) this rank's samples; read by ``diversity_bonus`` only.
         """
         device, batch = group_ids.device, len(group_ids)
         terms = reward.weighted_components(rewards.components) if self.aggregation == "gdpo" else {}
         rows = [rewards.total, group_ids.float(), *(value for _, value in terms.values())]
+        gate = self.kl_gate
+        if gate is not None:
+            rows += [rewards.components[name] for name in (gate.proxy, *gate.auxiliary)]
+        num_rows = len(rows)
+        if self.diversity_bonus is not None:
+            if images is None:
+                raise ValueError("diversity_bonus needs the rollout's images")
+            rows += list(self.diversity_bonus.features(images).T)  # F rows of (B,)
         # One gather of every rank's rows (rank-major: the one-process order of the step's samples).
-        gathered = dp.gather(torch.stack([r.to(device, torch.float32) for r in rows]))  # (2 + C, W·B)
+        gathered = dp.gather(torch.stack([r.to(device, torch.float32) for r in rows]))  # (R, W·B)
         ids = gathered[1].long()
         log: dict[str, float] = {}
         if self.aggregation == "gdpo":
@@ -120,11 +281,25 @@ class AdvantageSettings:
             adv, failure_rate = self.advantages(gathered[0], ids)
             scored = torch.isfinite(gathered[0])
         log["reward/failure_rate"] = failure_rate
+        kl_weights = torch.ones_like(adv)
+        if gate is not None:
+            signals = gathered[num_rows - 1 - len(gate.auxiliary) : num_rows]
+            kl_weights, gate_log = gate.weights(signals[0], signals[1:])
+            log.update(gate_log)
+        if self.diversity_bonus is not None:
+            mult = diversity_multipliers(
+                gathered[num_rows:].T, ids, adv, distance=self.diversity_bonus.distance
+            ).to(adv.device)
+            adv = adv * mult
+            boosted = mult[adv > 0]
+            log["critic/advantages/diversity_scale_max"] = float(boosted.max()) if boosted.numel() else 1.0
         mine = dp.mine(scored, batch)
         dropped = int((~mine).sum())
         if dropped:
             rank_zero_warn(f"{dropped} of {batch} samples have no finite reward: dropped from the advantages")
-        return BatchAdvantages(dp.mine(adv, batch), mine, dropped, log)
+        return BatchAdvantages(
+            dp.mine(adv, batch), mine, dropped, log, dp.mine(kl_weights.to(adv.device), batch)
+        )
 
     def _failure_rate(self, scored: Tensor) -> float:
         """The fraction of ``scored`` that is False; raises above ``max_reward_failure_rate``."""
@@ -150,7 +325,11 @@ class BatchAdvantages:
     """This rank's samples without one."""
     log: dict[str, float] = field(default_factory=dict)
     """Over all ranks: ``reward/failure_rate``; under ``aggregation: gdpo`` also
-    ``reward/nan_groups/<component>`` and ``reward/unscored_groups``."""
+    ``reward/nan_groups/<component>`` and ``reward/unscored_groups``; under ``kl_gate``
+    ``actor/kl_gated_fraction`` and ``actor/kl_gate_target``; under ``diversity_bonus``
+    ``critic/advantages/diversity_scale_max``."""
+    kl_weights: Tensor | None = None
+    """(B,) fp32: this rank's weights of the KL penalty (all 1 without ``kl_gate``)."""
 
 
 def _gdpo_reward_problems(flag: str, reward: Any) -> list[str]:

@@ -19,8 +19,11 @@ __all__ = [
     "GDPOAdvantages",
     "NFTStats",
     "PolicyStats",
+    "diversity_multipliers",
     "flow_dppo_loss",
     "flow_grpo_loss",
+    "gardo_uncertainty",
+    "gated_kl_weights",
     "gaussian_step_kl",
     "gdpo_advantages",
     "group_advantages",
@@ -31,6 +34,7 @@ __all__ = [
     "nft_reward_probability",
     "nft_sample_times",
     "ratio_norm_loss",
+    "win_rates",
 ]
 
 
@@ -196,6 +200,128 @@ def gdpo_advantages(
     batch_std = combined[scored].std(correction=0) if bool(scored.any()) else combined.new_zeros(())
     advantages = torch.where(scored, combined / (batch_std + eps), 0.0)
     return GDPOAdvantages(advantages.to(out_dtype), scored, (count == 0).sum(dim=1))
+
+
+def win_rates(scores: Tensor) -> Tensor:
+    """Each sample's win rate against the rest of the batch: the fraction of the other scored samples
+    it beats, a tie counting half.
+
+    w_i = (#{j ≠ i: s_j < s_i} + ½·#{j ≠ i: s_j = s_i}) / (n − 1) over the n finite scores; NaN where
+    s_i is not finite, 0.5 for a lone finite score. A rank statistic: rewards on different scales
+    become comparable, which is what GARDO's disagreement between reward models needs.
+
+    >>> win_rates(torch.tensor([0.1, 0.5, 0.5, float("nan")]))
+    tensor([0.0000, 0.7500, 0.7500,    nan])
+    """
+    s = scores.detach().to(torch.float64)
+    ok = torch.isfinite(s)
+    out = torch.full_like(s, float("nan"))
+    n = int(ok.sum())
+    if n == 0:
+        return out.to(scores.dtype if scores.dtype.is_floating_point else torch.float32)
+    v = s[ok]
+    below = (v[None, :] < v[:, None]).sum(dim=1).to(torch.float64)  # (n,) O(n²): n is one batch
+    ties = (v[None, :] == v[:, None]).sum(dim=1).to(torch.float64) - 1  # minus itself
+    out[ok] = (below + 0.5 * ties) / (n - 1) if n > 1 else torch.full_like(v, 0.5)
+    return out.to(scores.dtype if scores.dtype.is_floating_point else torch.float32)
+
+
+def gardo_uncertainty(proxy: Tensor, auxiliary: Tensor) -> Tensor:
+    """How much more the trained (proxy) reward thinks of each sample than the auxiliary rewards do.
+
+    u_i = w_proxy(i) − mean_k w_aux_k(i), with w the :func:`win_rates` over the batch (GARDO,
+    arXiv:2512.24138, Sec. 4.1: the reward's uncertainty from its disagreement with auxiliary reward
+    models, as ranks). u > 0: the proxy rates the sample above what the others see in it, the samples a
+    gamed reward over-rates. An auxiliary score that is missing (NaN) is left out of that sample's mean;
+    NaN where the proxy or every auxiliary is missing.
+
+    Args:
+        proxy: (N,) the trained reward of every sample.
+        auxiliary: (K, N) K ≥ 1 auxiliary rewards of the same samples.
+
+    Note: GARDO's released script ranks in descending order and subtracts the other way round, which
+    gates the samples the proxy under-rates; the paper's text and its aim are the samples it over-rates,
+    which is what this computes.
+    """
+    if auxiliary.ndim != 2 or auxiliary.shape[1] != proxy.shape[0] or auxiliary.shape[0] < 1:
+        raise ValueError(
+            f"auxiliary must be (K, N) with K >= 1 and N = {proxy.shape[0]} samples; got {tuple(auxiliary.shape)}"
+        )
+    w_aux = torch.stack([win_rates(a) for a in auxiliary]).to(torch.float64)  # (K, N)
+    return (win_rates(proxy).to(torch.float64) - w_aux.nanmean(dim=0)).float()  # (N,)
+
+
+def gated_kl_weights(uncertainty: Tensor, fraction: float) -> Tensor:
+    """GARDO's gate as per-sample weights of the KL penalty: the samples whose uncertainty is positive
+    and among the top ``fraction`` of the positive ones get weight 1/(fraction of the batch gated), the
+    rest 0.
+
+    The gate g_i = [u_i > 0 and u_i ≥ q], q the (1 − ``fraction``) quantile of the positive u (GARDO's
+    released script: the ``100 − 100·fraction`` percentile of the non-negative ones). Weighting by
+    g_i·N/Σg makes β·mean_i(w_i·KL_i) = β·mean over the gated samples, GARDO's penalty, exactly
+    whatever the micro-batches and ranks it is split over. A sample with NaN uncertainty (a reward
+    missing) is gated: unjudged is not trusted. All zero when nothing is gated.
+
+    >>> gated_kl_weights(torch.tensor([-0.2, 0.1, 0.3, 0.2]), fraction=0.5)
+    tensor([0., 0., 2., 2.])
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction ({fraction}) must lie in (0, 1]")
+    u = uncertainty.detach().to(torch.float64)
+    positive = u[u > 0]
+    gate = torch.isnan(u)
+    if positive.numel():
+        q = torch.quantile(positive, 1 - fraction)
+        gate |= (u > 0) & (u >= q)
+    count = int(gate.sum())
+    if count == 0:
+        return torch.zeros_like(uncertainty, dtype=torch.float32)
+    return (gate.to(torch.float64) * (u.numel() / count)).float()
+
+
+def diversity_multipliers(
+    features: Tensor, group_ids: Tensor, advantages: Tensor, *, distance: Literal["mse", "cosine"] = "cosine"
+) -> Tensor:
+    """GARDO's diversity-aware advantage (arXiv:2512.24138, Sec. 4.3): a positive advantage is scaled
+    by how far its sample lies from the rest of its group.
+
+    d_i = min_{j ≠ i, g(j) = g(i)} dist(f_i, f_j), the distance to the nearest other sample of the same
+    prompt; m_i = d_i / mean_{g(i)}(d) where A_i > 0, 1 elsewhere (GARDO's ``stat_tracking.py``: the
+    nearest-neighbour distance over its group mean, applied where the reward is above the group's
+    mean). So a good sample that repeats its neighbours gains less than one that found something
+    new, and a poor sample is never rewarded for being odd. ``dist``: ``cosine`` 1 − cos (GARDO's, on
+    DINOv3 features), ``mse`` the mean squared difference per feature. A group of one, or one whose
+    samples are all alike (mean d = 0), gets multiplier 1. Non-finite features give multiplier 1.
+
+    Args:
+        features: (N, F) one feature vector per sample.
+        group_ids: (N,) integer group of each sample.
+        advantages: (N,) the advantages the multipliers will scale (only their sign is read).
+
+    Returns:
+        (N,) fp32 multipliers, mean 1 over each group's samples with d (before the sign rule).
+    """
+    _check_group_settings(group_ids, "global", 0.0)
+    if distance not in ("mse", "cosine"):
+        raise ValueError(f"distance ({distance!r}) must be 'mse' or 'cosine'")
+    x = features.detach().to(torch.float64)
+    ok = torch.isfinite(x).all(dim=1)
+    if distance == "cosine":
+        x = x / x.norm(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+    mult = torch.ones(len(x), dtype=torch.float64, device=x.device)
+    for g in torch.unique(group_ids[ok]):
+        members = torch.nonzero((group_ids == g) & ok).flatten()
+        if len(members) < 2:
+            continue
+        f = x[members]
+        # (n_g, n_g): 1 − cos of unit vectors, or the mean squared difference per feature
+        dist = (1 - f @ f.T).clamp_min(0) if distance == "cosine" else torch.cdist(f, f) ** 2 / f.shape[1]
+        dist.fill_diagonal_(float("inf"))
+        nearest = dist.min(dim=1).values  # (n_g,)
+        scale = nearest.mean()
+        if scale > 0:
+            mult[members] = torch.where(advantages[members] > 0, nearest / scale, torch.ones_like(nearest))
+    return mult.float()
 
 
 @dataclass

@@ -8,6 +8,7 @@ LoRA goes through the adapter API that every diffusers model class here already 
 from __future__ import annotations
 
 import copy
+import math
 import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -21,7 +22,7 @@ from torch import Tensor, nn
 from lit_flowgrpo.export import destination_problems, write_folder
 from lit_flowgrpo.policies.base import FlowPolicy
 
-__all__ = ["LoraSettings", "TrainableWeights"]
+__all__ = ["LoraSettings", "ReferenceSettings", "TrainableWeights"]
 
 
 @dataclass
@@ -55,6 +56,73 @@ class LoraSettings:
         return p
 
 
+@dataclass
+class ReferenceSettings:
+    """Which policy the KL penalty holds the trained one to.
+
+    ``initial`` (the default) is the model as it was before training: with LoRA the network with its
+    adapter switched off, for a full fine-tune the frozen copy (``reference_copy``). Holding a policy to
+    its starting point for the whole run makes the penalty grow as the policy improves, until it stops
+    learning; GARDO (arXiv:2512.24138, Sec. 4.2) moves the reference along instead:
+
+    - ``refreshed``: the reference is set to the trained weights every ``refresh_every`` optimizer steps,
+      and after any update whose mean KL to it (``actor/kl_loss``) exceeded ``refresh_kl``, whichever
+      comes first (GARDO's released script: every 15 epochs at the latest, and when the KL passes
+      ``kl_thres``, 3e-4 in its OCR/GenEval configs);
+    - ``ema``: after each update, ref ← ``ema_decay``·ref + (1 − ``ema_decay``)·θ, a reference that trails
+      the policy by about 1/(1 − ``ema_decay``) updates.
+
+    Under either, the reference is a stored copy of the trained tensors (the adapter's, or the whole
+    transformer's in ``reference_copy``) that is saved in checkpoints, so a resumed run holds the same
+    reference.
+
+    Args:
+        mode: ``initial``, ``refreshed`` or ``ema``.
+        refresh_every: ``refreshed``: optimizer steps between refreshes (``None``: only on ``refresh_kl``).
+        refresh_kl: ``refreshed``: refresh after an update whose mean KL to the reference is above this
+            (``None``: only every ``refresh_every``).
+        ema_decay: ``ema``: the reference's decay per update, in [0, 1).
+    """
+
+    mode: Literal["initial", "refreshed", "ema"] = "initial"
+    refresh_every: int | None = None
+    refresh_kl: float | None = None
+    ema_decay: float = 0.9
+
+    def problems(self, uses_reference: bool, flag: str = "--model.init_args.reference") -> list[str]:
+        p = []
+        if self.mode not in ("initial", "refreshed", "ema"):
+            return [f"{flag}.mode ({self.mode!r}) must be one of initial, refreshed, ema"]
+        if self.refresh_every is not None and self.refresh_every < 1:
+            p.append(
+                f"{flag}.refresh_every ({self.refresh_every}) must be at least 1 optimizer step, or null to "
+                "refresh only on refresh_kl"
+            )
+        if self.refresh_kl is not None and not self.refresh_kl > 0:
+            p.append(
+                f"{flag}.refresh_kl ({self.refresh_kl}) must be > 0, or null to refresh only every refresh_every"
+            )
+        if self.mode == "refreshed" and self.refresh_every is None and self.refresh_kl is None:
+            p.append(
+                f"{flag}.mode=refreshed needs {flag}.refresh_every or {flag}.refresh_kl (GARDO uses both: e.g. "
+                "refresh_every: 30, refresh_kl: 3.0e-4)"
+            )
+        if self.mode != "refreshed" and (self.refresh_every is not None or self.refresh_kl is not None):
+            p.append(
+                f"{flag}.refresh_every / refresh_kl only apply to {flag}.mode=refreshed (mode is {self.mode!r}): "
+                "set the mode or drop them"
+            )
+        if not 0 <= self.ema_decay < 1:
+            p.append(f"{flag}.ema_decay ({self.ema_decay}) must lie in [0, 1)")
+        if self.mode != "initial" and not uses_reference:
+            p.append(
+                f"{flag}.mode={self.mode} moves the KL reference, but no KL to it is computed: set "
+                "--model.init_args.objective.init_args.kl_coef > 0 (or --model.init_args.diagnostics.reference_kl=true "
+                "to only measure it), or drop the setting"
+            )
+        return p
+
+
 class TrainableWeights:
     """The trained part of a policy: a LoRA adapter (``lora`` given) or the whole transformer.
 
@@ -65,15 +133,28 @@ class TrainableWeights:
         seed: seeds the adapter's random initialisation.
         old_policy: keep a second, slowly averaged copy of the trained weights, the old policy that
             DiffusionNFT samples with and anchors its loss at (:meth:`old`, :meth:`update_old`).
+        reference_settings: where the KL reference sits (the initial model, or one that moves along:
+            :class:`ReferenceSettings`, :meth:`after_update`).
     """
 
     def __init__(
-        self, lora: LoraSettings | None, reference_copy: bool = False, seed: int = 0, old_policy: bool = False
+        self,
+        lora: LoraSettings | None,
+        reference_copy: bool = False,
+        seed: int = 0,
+        old_policy: bool = False,
+        reference_settings: ReferenceSettings | None = None,
     ) -> None:
         self.lora = lora
         self.reference_copy = reference_copy
         self.seed = seed
         self.old_policy = old_policy
+        self.reference_settings = reference_settings or ReferenceSettings()
+        # A moving reference with LoRA: a stored copy of the adapter's tensors (made on first use, as the
+        # old policy's); a full fine-tune's moves the frozen copy's own weights.
+        self._ref_state: dict[str, Tensor] | None = None
+        self._steps_at_refresh = 0
+        self.refreshes = 0
         self.peft_config: Any = None
         self._frozen: nn.Module | None = None
         # The old policy: with LoRA a stored copy of the adapter's tensors (made on first use, so that
@@ -84,6 +165,7 @@ class TrainableWeights:
 
     def problems(self, uses_reference: bool) -> list[str]:
         p = [] if self.lora is None else self.lora.problems()
+        p += self.reference_settings.problems(uses_reference)
         if self.lora is None and uses_reference and not self.reference_copy:
             p.append(
                 "--model.init_args.objective.init_args.kl_coef > 0 with a full fine-tune (--model.init_args.lora=null) needs "
@@ -163,8 +245,12 @@ class TrainableWeights:
         """Inside, the policy computes with the KL reference's weights."""
         transformer = policy.transformer
         if self.lora is not None:
-            with _adapters_disabled(transformer):
-                yield
+            if self.reference_settings.mode == "initial":
+                with _adapters_disabled(transformer):
+                    yield
+            else:
+                with _swapped_in(policy, self._ref_lora(policy)):
+                    yield
             return
         if self._frozen is None:
             raise RuntimeError(
@@ -172,6 +258,92 @@ class TrainableWeights:
             )
         with _standing_in(policy, self._frozen):
             yield
+
+    # -- a moving reference (GARDO's refreshed one, or an EMA) ---------------------------------------
+
+    def _ref_lora(self, policy: FlowPolicy) -> dict[str, Tensor]:
+        if self._ref_state is None:
+            # The adapter as it starts: peft's initialisations (gaussian or default) zero its B, so this
+            # reference computes what the adapter switched off does, until it moves.
+            self._ref_state = {n: p.detach().clone() for n, p in _trainable(policy.transformer)}
+        return self._ref_state
+
+    def _reference_pairs(self, policy: FlowPolicy) -> Iterator[tuple[Tensor, Tensor]]:
+        """(reference tensor, trained tensor) pairs of a moving reference."""
+        if self.lora is None:
+            if self._frozen is None:
+                raise RuntimeError(
+                    "a moving KL reference of a full fine-tune needs --model.init_args.reference_copy=true"
+                )
+            return zip(self._frozen.parameters(), policy.transformer.parameters(), strict=True)
+        ref = self._ref_lora(policy)
+        return ((ref[n], p) for n, p in _trainable(policy.transformer))
+
+    @torch.no_grad()
+    def after_update(self, policy: FlowPolicy, optimizer_steps: int, kl: float) -> bool:
+        """Move the reference after one rollout's update (:class:`ReferenceSettings`); ``kl`` is that
+        update's mean KL to the reference, ``optimizer_steps`` the steps taken so far. Returns whether the
+        reference was set to the trained weights."""
+        settings = self.reference_settings
+        if settings.mode == "ema":
+            for target, source in self._reference_pairs(policy):
+                target.copy_(
+                    target * settings.ema_decay
+                    + source.detach().to(target.dtype) * (1.0 - settings.ema_decay)
+                )
+            return False
+        if settings.mode != "refreshed":
+            return False
+        due = (
+            settings.refresh_every is not None
+            and optimizer_steps - self._steps_at_refresh >= settings.refresh_every
+        )
+        # A non-finite KL is a broken update, not a drifted policy: it never refreshes the reference.
+        drifted = settings.refresh_kl is not None and math.isfinite(kl) and kl > settings.refresh_kl
+        if not (due or drifted):
+            return False
+        for target, source in self._reference_pairs(policy):
+            target.copy_(source.detach())
+        self._steps_at_refresh = optimizer_steps
+        self.refreshes += 1
+        return True
+
+    def reference_state_dict(self, policy: FlowPolicy) -> dict[str, Any]:
+        """A moving reference's tensors and schedule for a checkpoint (empty for ``initial``)."""
+        if self.reference_settings.mode == "initial":
+            return {}
+        tensors = self._frozen.state_dict() if self.lora is None else self._ref_lora(policy)  # type: ignore[union-attr]
+        return {
+            "tensors": {k: v.detach().clone() for k, v in tensors.items()},
+            "steps_at_refresh": self._steps_at_refresh,
+            "refreshes": self.refreshes,
+        }
+
+    @torch.no_grad()
+    def load_reference_state_dict(self, policy: FlowPolicy, state: dict[str, Any]) -> None:
+        """Restore what :meth:`reference_state_dict` saved."""
+        if self.reference_settings.mode == "initial":
+            return
+        if not state:
+            raise ValueError(
+                f"the checkpoint holds no moving KL reference, which --model.init_args.reference.mode="
+                f"{self.reference_settings.mode} needs: it was written by a run with another reference; resume "
+                "with the run's own config"
+            )
+        if self.lora is None:
+            assert self._frozen is not None
+            self._frozen.load_state_dict(state["tensors"], strict=True)
+        else:
+            ref = self._ref_lora(policy)
+            if set(state["tensors"]) != set(ref):
+                raise ValueError(
+                    f"the checkpoint's KL reference holds {len(state['tensors'])} tensors, this run's adapter "
+                    f"{len(ref)}: resume with the run's own config"
+                )
+            for name, value in state["tensors"].items():
+                ref[name].copy_(value)
+        self._steps_at_refresh = int(state["steps_at_refresh"])
+        self.refreshes = int(state["refreshes"])
 
     # -- the old policy (DiffusionNFT) ---------------------------------------------------------------
 
@@ -197,10 +369,8 @@ class TrainableWeights:
     def old(self, policy: FlowPolicy) -> Iterator[None]:
         """Inside, the policy computes with the old policy's weights (no gradient reaches them).
 
-        LoRA: the stored adapter tensors are copied into the adapter in place and θ back afterwards,
-        so no parameter is added, re-registered or has its ``requires_grad`` flipped (DDP's buckets
-        and the optimizer keep seeing the same tensors), and an in-place copy also reaches FSDP2's
-        shards. Enter it before the θ forward of a visit: the θ graph must not save tensors it swaps.
+        LoRA: the stored adapter tensors are swapped in place (:func:`_swapped_in`); enter it before
+        the θ forward of a visit.
         """
         if not self.old_policy:
             raise RuntimeError("this run keeps no old policy (TrainableWeights(old_policy=False))")
@@ -209,18 +379,8 @@ class TrainableWeights:
             with _standing_in(policy, self._old_network):
                 yield
             return
-        params = dict(_trainable(policy.transformer))
-        old = self._old_lora(policy)
-        with torch.no_grad():
-            current = {n: p.detach().clone() for n, p in params.items()}
-            for n, p in params.items():
-                p.copy_(old[n])
-        try:
+        with _swapped_in(policy, self._old_lora(policy)):
             yield
-        finally:
-            with torch.no_grad():
-                for n, p in params.items():
-                    p.copy_(current[n])
 
     def sampling(self, policy: FlowPolicy) -> AbstractContextManager[None]:
         """The weights the rollout samples with: the old policy where there is one (DiffusionNFT's
@@ -422,6 +582,28 @@ def _standing_in(policy: FlowPolicy, network: nn.Module) -> Iterator[None]:
         yield
     finally:
         policy._modules[name] = transformer
+
+
+@contextmanager
+def _swapped_in(policy: FlowPolicy, stored: dict[str, Tensor]) -> Iterator[None]:
+    """Inside, the adapter computes with ``stored``'s tensors, and with its own again afterwards.
+
+    They are copied into the adapter in place and back, so no parameter is added, re-registered or has
+    its ``requires_grad`` flipped (DDP's buckets and the optimizer keep seeing the same tensors), and an
+    in-place copy also reaches FSDP2's shards. Enter it before the θ forward of a visit: the θ graph
+    must not save tensors it swaps.
+    """
+    params = dict(_trainable(policy.transformer))
+    with torch.no_grad():
+        current = {n: p.detach().clone() for n, p in params.items()}
+        for n, p in params.items():
+            p.copy_(stored[n])
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(current[n])
 
 
 @contextmanager

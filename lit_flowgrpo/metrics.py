@@ -863,6 +863,9 @@ class DiagnosticsSettings:
             x_next). SD3.5-M at 512 px: 16×64×64 fp32 = 256 KiB per step, 2.25 MiB per sample over
             the 9 trained steps of 10 (less with a window), 108 MiB for 48 samples on a rank.
             Off, objectives that record μ_old for their loss (GRPO-Guard, Flow-DPPO) still log it.
+        reference_kl: run the reference forward and log the KL to the reference (``actor/kl_loss``) even
+            with ``kl_coef`` 0, where the loss does not use it: the drift from the reference as a curve,
+            for one more transformer forward per visit (``timing_s/ref``).
     """
 
     by_step: bool = True
@@ -870,3 +873,4 @@ class DiagnosticsSettings:
     clip_level: Literal["step", "trajectory"] = "step"
     clip_gate: Literal["advantage", "none"] = "advantage"
     step_kl: bool = True
+    reference_kl: bool = False

@@ -35,7 +35,7 @@ from lit_flowgrpo.advantages import AdvantageSettings
 from lit_flowgrpo.data import PromptBatch
 from lit_flowgrpo.distributed import DataParallel
 from lit_flowgrpo.errors import SettingsError, flag
-from lit_flowgrpo.lora import LoraSettings, TrainableWeights
+from lit_flowgrpo.lora import LoraSettings, ReferenceSettings, TrainableWeights
 from lit_flowgrpo.metrics import DiagnosticsSettings, RewardGroupStats
 from lit_flowgrpo.objective import FlowGRPO, Objective, VisitContext
 from lit_flowgrpo.performance import PerformanceSettings
@@ -74,6 +74,8 @@ class FlowGRPOModule(L.LightningModule):
         lora: LoRA settings; ``None`` is a full fine-tune of the transformer.
         reference_copy: full fine-tune only: keep a frozen copy of the initial transformer as the
             KL reference (with LoRA the reference is the same network with the adapter disabled).
+        reference: where the KL reference sits: the initial model, or one refreshed or averaged
+            along the run (GARDO's adaptive reference; :class:`~lit_flowgrpo.lora.ReferenceSettings`).
         diagnostics: options of the logged ratio/clip/KL statistics.
         performance: how the transformer computes (dtype, compiled blocks, attention kernel), the
             same in rollout and update.
@@ -93,6 +95,7 @@ class FlowGRPOModule(L.LightningModule):
         update: UpdateSettings = UpdateSettings(),
         lora: LoraSettings | None = LoraSettings(),
         reference_copy: bool = False,
+        reference: ReferenceSettings = ReferenceSettings(),
         diagnostics: DiagnosticsSettings = DiagnosticsSettings(),
         performance: PerformanceSettings = PerformanceSettings(),
         optimizer: OptimizerCallable | None = None,
@@ -109,7 +112,11 @@ class FlowGRPOModule(L.LightningModule):
         self.performance = dataclasses.replace(performance)
         self.objective = FlowGRPO() if objective is None else objective
         self.weights = TrainableWeights(
-            lora, reference_copy=reference_copy, seed=seed, old_policy=self.objective.old_policy
+            lora,
+            reference_copy=reference_copy,
+            seed=seed,
+            old_policy=self.objective.old_policy,
+            reference_settings=dataclasses.replace(reference),
         )
         self.policy = policy
         self.reward = as_reward(reward)
@@ -125,6 +132,7 @@ class FlowGRPOModule(L.LightningModule):
         for name in ("sampler", "advantage", "update", "diagnostics", "performance"):
             self.hparams[name] = dataclasses.asdict(getattr(self, name))
         self.hparams["lora"] = None if lora is None else dataclasses.asdict(lora)
+        self.hparams["reference"] = dataclasses.asdict(reference)
         self.hparams["objective"] = self.objective.hparams()
 
         self.reward_stats = RewardGroupStats()
@@ -148,9 +156,14 @@ class FlowGRPOModule(L.LightningModule):
         )
         p += self.objective.problems(self.sampler.sde_type)
         p += self.objective.sampler_problems(self.sampler)
-        p += self.weights.problems(self.objective.uses_reference)
+        p += self.weights.problems(self.objective.uses_reference or self.diagnostics.reference_kl)
         p += self.policy.problems() + self.sampler.image_size_problems(self.policy)
         p += self.reward.settings_problems()
+        if self.advantage.kl_gate is not None and not self.objective.uses_reference:
+            p.append(
+                f"{flag('advantage')}.kl_gate gates the KL penalty, but there is none: set "
+                f"{flag('objective')}.kl_coef > 0 (GARDO's OCR recipe: 0.04), or drop the gate"
+            )
         if self.sampler.guidance_scale > 1 and not self.update.train_cfg:
             rank_zero_warn(
                 f"{flag('update')}.train_cfg=false with guidance_scale={self.sampler.guidance_scale}: the update "
@@ -225,8 +238,8 @@ class FlowGRPOModule(L.LightningModule):
             timings["gen"], t = self._clock() - t, self._clock()
             rewards = scores.result(images)
         timings["reward"], t = self._clock() - t, self._clock()
-        advantages, keep = self._advantages(rewards, batch)
-        rollout = RolloutBatch(traj, embeds, advantages, batch.sample_ids.to(self.device), keep)
+        advantages, keep, kl_weights = self._advantages(rewards, batch, images)
+        rollout = RolloutBatch(traj, embeds, advantages, batch.sample_ids.to(self.device), keep, kl_weights)
         timings["adv"], t = self._clock() - t, self._clock()
         done = self._update(rollout, batch.step)
         timings["ref"] = done.reference_s
@@ -262,10 +275,13 @@ class FlowGRPOModule(L.LightningModule):
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _advantages(self, rewards: RewardOutput, batch: PromptBatch) -> tuple[Tensor, Tensor]:
-        """Group advantages from every rank's rewards; returns this rank's (advantages, keep mask)."""
+    def _advantages(
+        self, rewards: RewardOutput, batch: PromptBatch, images: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Group advantages from every rank's rewards; returns this rank's (advantages, keep mask, KL
+        weights)."""
         group_ids = batch.group_ids.to(self.device)
-        adv = self.advantage.for_batch(rewards, group_ids, self.reward, self.data_parallel)
+        adv = self.advantage.for_batch(rewards, group_ids, self.reward, self.data_parallel, images)
         self._counters["dropped_samples"] += adv.dropped
         keep = adv.scored & (adv.values != 0) if self.advantage.filter_zero else adv.scored
         # Every sample goes in, so the metric counts the unscored ones (critic/rewards/nonfinite_count);
@@ -275,7 +291,7 @@ class FlowGRPOModule(L.LightningModule):
         # Per-reward failure rates and latencies of this rank; the advantage stage's over all ranks.
         values = {k: v for k, v in rewards.log_dict().items() if k.startswith("reward/")}
         self.log_dict({**values, **adv.log}, on_step=True, on_epoch=False)
-        return adv.values, keep
+        return adv.values, keep, adv.kl_weights if self.advantage.kl_gate is not None else None
 
     def _update(self, rollout: RolloutBatch, step: int) -> UpdateResult:
         opt, sched = self.optimizers(), self.lr_schedulers()
@@ -286,7 +302,9 @@ class FlowGRPOModule(L.LightningModule):
         done = run_update(
             self.update,
             self.objective,
-            VisitContext(self.policy, self.weights, guidance),
+            VisitContext(
+                self.policy, self.weights, guidance, measure_reference=self.diagnostics.reference_kl
+            ),
             rollout,
             UpdateHooks(
                 backward=self.manual_backward,
@@ -324,12 +342,15 @@ class FlowGRPOModule(L.LightningModule):
         n = max(done.num_losses, 1)
         loss, pg_loss, kl_loss = loss / n, pg_loss / n, kl_loss / n
         self._counters["nonfinite_losses"] += int(nonfinite)
+        # The moving reference (GARDO's refresh, or an EMA) after this update, from its mean KL.
+        self.weights.after_update(self.policy, self.global_step, kl_loss if done.num_losses else float("nan"))
         values = {
             "actor/loss": loss,
             "actor/pg_loss": pg_loss,
             "actor/kl_loss": kl_loss,
             "actor/kl_coef": self.objective.kl_coef,
             "actor/grad_norm": self._grad_norm,
+            "actor/reference_refreshes": float(self.weights.refreshes),
         }
         values.update({f"actor/{k}": float(v) for k, v in self._counters.items()})
         # Means of scalars that are the same on every rank after the gradient all-reduce, or
@@ -412,8 +433,11 @@ class FlowGRPOModule(L.LightningModule):
             "trainable_keys": sorted(keys),
             "counters": dict(self._counters),
             "idle_rollouts": self._idle.count,
-            # The old policy of DiffusionNFT (not trainable, so not in the state dict above).
+            # The old policy of DiffusionNFT and a moving KL reference (not trainable, so not in the
+            # state dict above), and the KL gate's controller.
             "old_policy": self.weights.old_state_dict(self.policy),
+            "reference": self.weights.reference_state_dict(self.policy),
+            "kl_gate": None if self.advantage.kl_gate is None else self.advantage.kl_gate.state_dict(),
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -435,6 +459,9 @@ class FlowGRPOModule(L.LightningModule):
                     "written by a run with another objective; resume with the run's own config"
                 )
             self.weights.load_old_state_dict(self.policy, ours["old_policy"])
+        self.weights.load_reference_state_dict(self.policy, ours.get("reference", {}))
+        if self.advantage.kl_gate is not None and ours.get("kl_gate"):
+            self.advantage.kl_gate.load_state_dict(ours["kl_gate"])
 
     def load_trainable_checkpoint(self, path: str, use_ema: bool = True) -> None:
         """Load a checkpoint's trainable weights (its EMA weights if present and ``use_ema``)."""

@@ -87,6 +87,9 @@ class VisitContext:
     """CFG scale of the update's forwards (1: the conditional model alone)."""
     reference_timer: Callable[[], AbstractContextManager[Any]] = nullcontext
     """Wrapped around the reference forward (the ``ref`` stage's clock)."""
+    measure_reference: bool = False
+    """Run the reference forward and report the KL to it even where the loss does not use it
+    (``kl_coef`` 0; :attr:`~lit_flowgrpo.metrics.DiagnosticsSettings.reference_kl`)."""
     seed: int = 0
     """Fixed per (rollout, inner epoch) by the update loop: an objective that draws per visit
     (DiffusionNFT's noise and noise levels) seeds from it and the sample id, so that a draw does not
@@ -285,7 +288,7 @@ class RatioObjective(Objective):
         x, cond = traj.latents[idx, j], index_embeds(batch.embeds, idx)
         sigma = torch.full((len(idx),), float(traj.sigmas[j]), device=x.device)
         ref_mean = None
-        if self.uses_reference:
+        if self.uses_reference or ctx.measure_reference:
             # Before the θ forward: a full fine-tune's reference swaps in weights the θ graph would save.
             with ctx.reference_timer(), torch.no_grad(), ctx.weights.reference(policy):
                 ref_mean = traj.score(policy.velocity(x, sigma, cond, ctx.guidance), j, idx).prev_sample_mean
@@ -307,7 +310,7 @@ class RatioObjective(Objective):
             sqrt_dt=traj.sqrt_dt[rows, j],
         )
         pg_loss, stats = self.policy_loss(scored)
-        kl = self.kl(scored, ref_mean[:live]).mean() if ref_mean is not None else zero
+        kl = batch.kl_term(self.kl(scored, ref_mean[:live]), rows) if ref_mean is not None else zero
         loss = pg_loss + self.kl_coef * kl
         diagnostics = dict(
             log_prob=step.log_prob.detach()[:live],
@@ -335,7 +338,8 @@ class RatioObjective(Objective):
 
     def diagnostics(self, num_steps: int, settings: DiagnosticsSettings) -> Metric:
         options = dataclasses.asdict(settings)
-        del options["step_kl"]  # what the rollout records; the metric logs the step KL it is given
+        # What the rollout records and what the visit runs; the metric logs what it is given.
+        del options["step_kl"], options["reference_kl"]
         return self.diagnostics_metric(
             clip_range=self.clip_range,
             clip_range_high=self.clip_high,
@@ -681,7 +685,7 @@ class DiffusionNFT(Objective):
         with torch.no_grad(), ctx.weights.old(policy):
             v_old = policy.velocity(x, sigma, cond, 1.0)
         v_ref = None
-        if self.uses_reference:
+        if self.uses_reference or ctx.measure_reference:
             with ctx.reference_timer(), torch.no_grad(), ctx.weights.reference(policy):
                 v_ref = policy.velocity(x, sigma, cond, 1.0)
         v_theta = policy.velocity(x, sigma, cond, 1.0)
@@ -707,7 +711,7 @@ class DiffusionNFT(Objective):
         if v_ref is not None:
             # The reference's regulariser: mean((v_θ − v_ref)²) per sample, then over the batch.
             diff = v_theta[:live].float() - v_ref[:live].float()  # (N, *latent) fp32
-            kl = (diff**2).mean(dim=tuple(range(1, diff.ndim))).mean()
+            kl = batch.kl_term((diff**2).mean(dim=tuple(range(1, diff.ndim))), rows)
         loss = pg_loss + self.kl_coef * kl
         diagnostics = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
         # No ratio to check: DiffusionNFT's off-policy gap is the old deviation, logged as such.

@@ -367,15 +367,25 @@ class RolloutBatch:
     """(B,) int64: each sample's id in the step (the metrics' key)."""
     keep: Tensor
     """(B,) bool: the samples the update trains."""
+    kl_weights: Tensor | None = None
+    """(B,) fp32 weight of each sample's KL penalty (GARDO's gate: :class:`~lit_flowgrpo.advantages.KLGate`);
+    ``None``: 1 for every sample."""
 
     def __len__(self) -> int:
         return len(self.advantages)
+
+    def kl_term(self, kl: Tensor, rows: Tensor) -> Tensor:
+        """The KL penalty of samples ``rows`` from their per-sample KL (N,): the mean, each sample
+        weighted by :attr:`kl_weights` where there are any."""
+        return kl.mean() if self.kl_weights is None else (kl * self.kl_weights[rows]).mean()
 
     def rows(self) -> dict[str, Tensor]:
         """Every per-sample tensor, by a name that :meth:`with_rows` reads back."""
         out = {f"trajectory.{k}": v for k, v in self.trajectory.sample_rows().items()}
         out.update({f"embeds.{k}": v for k, v in self.embeds.items()})
         out.update(advantages=self.advantages, sample_ids=self.sample_ids, keep=self.keep)
+        if self.kl_weights is not None:
+            out["kl_weights"] = self.kl_weights
         return out
 
     def with_rows(self, rows: dict[str, Tensor]) -> RolloutBatch:
@@ -384,7 +394,9 @@ class RolloutBatch:
             self.trajectory, **{k: rows[f"trajectory.{k}"] for k in self.trajectory.sample_rows()}
         )
         embeds = {k: rows[f"embeds.{k}"] for k in self.embeds}
-        return RolloutBatch(traj, embeds, rows["advantages"], rows["sample_ids"], rows["keep"])
+        return RolloutBatch(
+            traj, embeds, rows["advantages"], rows["sample_ids"], rows["keep"], rows.get("kl_weights")
+        )
 
     @staticmethod
     def cat(parts: Sequence[RolloutBatch]) -> RolloutBatch:

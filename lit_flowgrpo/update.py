@@ -226,7 +226,9 @@ def run_update(
                 idx, live = settings.micro_batch(order, m, len(batch))
                 out = objective.visit(epoch_ctx, batch, idx, live, visits[v])
                 result.forwards["update"] += forwards_per_sample * len(idx)
-                result.forwards["ref"] += forwards_per_sample * len(idx) if objective.uses_reference else 0
+                result.forwards["ref"] += (
+                    forwards_per_sample * len(idx) if objective.uses_reference or ctx.measure_reference else 0
+                )
                 if first:
                     _on_policy_check(out.on_policy_error, on_policy_tol, dp, hooks)
                     first = False

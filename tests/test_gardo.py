@@ -1,0 +1,368 @@
+"""GARDO's three controls (arXiv:2512.24138) against float64 re-derivations: the uncertainty gate of the
+KL penalty, its adaptive fraction, the diversity-aware advantage, and the moving KL reference (refreshed
+or EMA) with its checkpoint."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from test_advantages_gdpo import _Ranks, _Sent
+
+from lit_flowgrpo.advantages import AdvantageSettings, DiversityBonus, KLGate
+from lit_flowgrpo.algorithms import diversity_multipliers, gardo_uncertainty, gated_kl_weights, win_rates
+from lit_flowgrpo.data import GroupSampler
+from lit_flowgrpo.distributed import DataParallel
+from lit_flowgrpo.lora import LoraSettings, ReferenceSettings, TrainableWeights
+from lit_flowgrpo.rewards.base import MultiReward, RewardOutput
+
+NAN = float("nan")
+
+
+# -- the pure functions --------------------------------------------------------------------------------
+
+
+def _win_rates(scores: list[float]) -> list[float]:
+    ok = [s for s in scores if math.isfinite(s)]
+    out = []
+    for s in scores:
+        if not math.isfinite(s):
+            out.append(NAN)
+        elif len(ok) == 1:
+            out.append(0.5)
+        else:
+            beats = sum(1 for t in ok if t < s) + 0.5 * (sum(1 for t in ok if t == s) - 1)
+            out.append(beats / (len(ok) - 1))
+    return out
+
+
+def _close(got: list[float], want: list[float], rel: float) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert (math.isnan(g) and math.isnan(w)) or g == pytest.approx(w, rel=rel, abs=1e-7)
+
+
+def test_win_rates_are_the_pairwise_count_with_half_ties() -> None:
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 5, (23,), generator=g).double().tolist()  # many ties
+    scores[3] = scores[17] = NAN
+    # Counts over at most 22 others: exact in fp32 after one division (2^-24 relative).
+    _close(win_rates(torch.tensor(scores)).tolist(), _win_rates(scores), rel=2**-23)
+    assert win_rates(torch.tensor([NAN, 2.0])).tolist()[1] == 0.5
+    assert torch.isnan(win_rates(torch.tensor([NAN, NAN]))).all()
+
+
+def test_uncertainty_is_the_proxy_win_rate_over_the_auxiliary_mean() -> None:
+    g = torch.Generator().manual_seed(1)
+    proxy = torch.rand(16, generator=g).tolist()
+    aux = torch.rand(2, 16, generator=g).tolist()
+    aux[1][5] = NAN  # left out of sample 5's mean
+    wp, wa = _win_rates(proxy), [_win_rates(a) for a in aux]
+    want = []
+    for i in range(16):
+        judged = [w[i] for w in wa if math.isfinite(w[i])]
+        want.append(wp[i] - math.fsum(judged) / len(judged))
+    _close(gardo_uncertainty(torch.tensor(proxy), torch.tensor(aux)).tolist(), want, rel=2**-22)
+    # The samples the proxy ranks above the judges are the positive ones: a reversed judge flips them all.
+    u = gardo_uncertainty(torch.arange(6.0), torch.arange(6.0).flip(0)[None])
+    assert (u[3:] > 0).all() and (u[:3] < 0).all()
+    with pytest.raises(ValueError, match="auxiliary must be"):
+        gardo_uncertainty(torch.zeros(4), torch.zeros(4))
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """Linear interpolation between order statistics (torch.quantile's and numpy's default)."""
+    v = sorted(values)
+    pos = q * (len(v) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.35, 1.0])
+def test_the_gate_penalises_the_top_of_the_overrated_samples_as_their_mean(fraction: float) -> None:
+    g = torch.Generator().manual_seed(2)
+    u = (torch.rand(40, generator=g) - 0.4).tolist()
+    u[7] = NAN  # unjudged: gated
+    positive = [x for x in u if math.isfinite(x) and x > 0]
+    q = _quantile(positive, 1 - fraction)
+    gate = [math.isnan(x) or (x > 0 and x >= q) for x in u]
+    w = gated_kl_weights(torch.tensor(u), fraction)
+    assert [x > 0 for x in w.tolist()] == gate
+    # β·mean_i(w_i·KL_i) is the mean KL over the gated samples, whatever the KL values.
+    kl = torch.rand(40, generator=g, dtype=torch.float64)
+    gated_mean = math.fsum(k for k, on in zip(kl.tolist(), gate, strict=True) if on) / sum(gate)
+    assert (w.double() * kl).mean().item() == pytest.approx(gated_mean, rel=1e-6)
+    assert gated_kl_weights(torch.tensor([-0.1, -0.2]), 0.5).tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="fraction"):
+        gated_kl_weights(torch.zeros(3), 0.0)
+
+
+def _nearest(features: list[list[float]], distance: str) -> list[float]:
+    def dist(a: list[float], b: list[float]) -> float:
+        if distance == "cosine":
+            na, nb = math.sqrt(math.fsum(x * x for x in a)), math.sqrt(math.fsum(x * x for x in b))
+            return max(0.0, 1 - math.fsum(x * y for x, y in zip(a, b, strict=True)) / (na * nb))
+        return math.fsum((x - y) ** 2 for x, y in zip(a, b, strict=True)) / len(a)
+
+    return [min(dist(f, o) for j, o in enumerate(features) if j != i) for i, f in enumerate(features)]
+
+
+@pytest.mark.parametrize("distance", ["cosine", "mse"])
+def test_diversity_scales_positive_advantages_by_nearest_neighbour_over_group_mean(distance: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    features = torch.rand(12, 5, generator=g, dtype=torch.float64)
+    ids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 3])  # group 3: one sample, no neighbour
+    adv = torch.tensor([1.0, -1, 2, 0, 0.5, 0.5, -0.2, -0.8, 1, 1, 1, 3])
+    features[8:11] = features[8]  # group 2: identical samples, mean distance 0
+    got = diversity_multipliers(features, ids, adv, distance=distance).tolist()
+    want = [1.0] * 12
+    for members in ([0, 1, 2, 3], [4, 5, 6, 7]):
+        d = _nearest([features[i].tolist() for i in members], distance)
+        mean = math.fsum(d) / len(d)
+        for i, di in zip(members, d, strict=True):
+            want[i] = di / mean if adv[i] > 0 else 1.0
+    _close(got, want, rel=2**-20)  # fp64 inside; cdist's and the matmul's rounding, then fp32
+    assert got[8:] == [1.0] * 4
+
+
+def test_non_finite_features_leave_the_advantage_alone() -> None:
+    features = torch.rand(4, 3, dtype=torch.float64)
+    features[1, 0] = NAN
+    got = diversity_multipliers(features, torch.zeros(4, dtype=torch.long), torch.ones(4))
+    assert got[1] == 1.0 and torch.isfinite(got).all()
+
+
+# -- the settings and the advantage stage -------------------------------------------------------------
+
+
+def test_the_adaptive_fraction_follows_gardos_controller_and_checkpoints() -> None:
+    gate = KLGate(proxy="p", auxiliary=["a"], fraction=0.1, window=3)
+    proxy = torch.arange(10.0)
+
+    def batch(spread: float) -> tuple[torch.Tensor, torch.Tensor]:
+        # The judge reverses the proxy over the top half: its mean positive uncertainty scales with spread.
+        aux = torch.cat([proxy[:5], proxy[5:] - spread * 10])
+        return proxy, aux[None]
+
+    seen = []
+    for spread in (0.5, 0.9, 1.5, 0.1):
+        _, log = gate.weights(*batch(spread))
+        seen.append(log["actor/kl_gate_target"])
+    # first: no history; higher risk twice: ×1.1 each; lower than every one of the window: ×0.9
+    assert seen == pytest.approx([0.1, 0.11, 0.121, 0.1089])
+    state = gate.state_dict()
+    again = KLGate(proxy="p", auxiliary=["a"], fraction=0.1, window=3)
+    again.load_state_dict(state)
+    assert again.state_dict() == state and len(state["risks"]) == 3
+    fixed = KLGate(proxy="p", auxiliary=["a"], fraction=0.3, adaptive=False)
+    assert fixed.weights(*batch(2.0))[1]["actor/kl_gate_target"] == 0.3
+    # clipped to the range
+    high = KLGate(proxy="p", auxiliary=["a"], fraction=0.2, window=2)
+    for spread in (0.2, 0.5, 0.9, 1.4):
+        high.weights(*batch(spread))
+    assert high.state_dict()["fraction"] == pytest.approx(0.2)
+
+
+def test_gate_and_bonus_settings_are_refused_with_their_flag() -> None:
+    import lit_flowgrpo.toy  # noqa: F401  (registers the shapes world's rewards)
+
+    reward = MultiReward({"shapes_color": 1.0, "shapes/strict": 0.0, "shapes/partial": 0.0})
+    flag = "--model.init_args.advantage.kl_gate"
+    said = "\n".join(
+        AdvantageSettings(
+            kl_gate=KLGate(proxy="shapes_color", auxiliary=["shapes/partial", "aesthetic"], fraction=1.5),
+            diversity_bonus=DiversityBonus(pool=0),
+        ).problems(reward=reward)
+    )
+    assert f"{flag}.fraction (1.5) must lie in (0, 1]" in said
+    assert f"{flag} names ['aesthetic'], which the reward does not compute" in said
+    assert "--model.init_args.advantage.diversity_bonus.pool (0) must be at least 1" in said
+    said = "\n".join(AdvantageSettings(kl_gate=KLGate(proxy="shapes_color")).problems(reward=reward))
+    assert f"{flag}.auxiliary is empty" in said
+    assert not AdvantageSettings(
+        kl_gate=KLGate(proxy="shapes_color", auxiliary=["shapes/partial"])
+    ).problems(reward=reward)
+
+
+class _Table:
+    """A reward of three components looked up by sample id (the proxy, a judge, the gold)."""
+
+    def __init__(self, n: int, seed: int = 4) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.table = {k: torch.rand(n, generator=g) for k in ("proxy", "judge", "gold")}
+
+    def __call__(self, images, prompts, metadata):
+        return {k: v[[m["id"] for m in metadata]] for k, v in self.table.items()}
+
+
+def _images(sample_ids: torch.Tensor) -> torch.Tensor:
+    g = torch.Generator().manual_seed(5)
+    table = torch.rand(64, 3, 8, 8, generator=g)
+    return table[sample_ids]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gate_and_bonus_on_n_ranks_give_each_sample_what_one_process_gives_it(world: int) -> None:
+    """A real GroupSampler's dealing (groups span ranks): advantages and KL weights of each sample equal
+    the one-process ones, bit for bit, and the gate's controller moves the same on every rank."""
+    weights = {"t/proxy": 1.0, "t/judge": 0.0, "t/gold": 0.0}
+    reward = MultiReward(weights, rewards={"t": _Table(64)}, max_workers=1)
+
+    def settings() -> AdvantageSettings:
+        return AdvantageSettings(
+            kl_gate=KLGate(proxy="t/proxy", auxiliary=["t/judge"], fraction=0.2),
+            diversity_bonus=DiversityBonus(pool=4),
+        )
+
+    def run(w: int, rank: int, parts: list, s: AdvantageSettings):
+        _, group_ids, sample_ids = GroupSampler(64, 4, 6, w, rank, seed=1).step_indices(2)
+        dp = DataParallel(rank, w, _Ranks(parts, rank)) if w > 1 else DataParallel()
+        scores: RewardOutput = reward(
+            _images(sample_ids), [""] * len(sample_ids), [{"id": int(i)} for i in sample_ids]
+        )
+        out = s.for_batch(scores, group_ids, reward, dp, _images(sample_ids))
+        return sample_ids, out
+
+    ids, one = run(1, 0, [None], settings())
+    by_id = {i: (a, k) for i, a, k in zip(ids.tolist(), one.values.tolist(), one.kl_weights.tolist(), strict=True)}
+    assert 0 < one.log["actor/kl_gated_fraction"] <= 0.2 + 1e-6
+    assert one.log["critic/advantages/diversity_scale_max"] > 1
+    # The one-process result is the re-derivation: the gate from the components, the bonus on top.
+    parts: list = [None] * world
+    for rank in range(world):
+        with pytest.raises(_Sent):
+            run(world, rank, parts, settings())
+    for rank in range(world):
+        ids, out = run(world, rank, parts, settings())
+        assert out.values.tolist() == [by_id[i][0] for i in ids.tolist()]
+        assert out.kl_weights.tolist() == [by_id[i][1] for i in ids.tolist()]
+        assert out.log == one.log
+
+
+def test_the_stage_is_the_rederivation_of_its_parts() -> None:
+    weights = {"t/proxy": 1.0, "t/judge": 0.0}
+    table = _Table(24)
+    reward = MultiReward(weights, rewards={"t": table}, max_workers=1)
+    ids = torch.arange(24)
+    group_ids = ids // 6
+    scores = reward(_images(ids), [""] * 24, [{"id": int(i)} for i in ids])
+    s = AdvantageSettings(
+        kl_gate=KLGate(proxy="t/proxy", auxiliary=["t/judge"], fraction=0.5, adaptive=False),
+        diversity_bonus=DiversityBonus(pool=2, distance="mse"),
+    )
+    out = s.for_batch(scores, group_ids, reward, DataParallel(), _images(ids))
+    from lit_flowgrpo.algorithms import group_advantages
+    from lit_flowgrpo.diversity import pooled_pixels
+
+    base = group_advantages(table.table["proxy"], group_ids)
+    mult = diversity_multipliers(pooled_pixels(_images(ids), 2), group_ids, base, distance="mse")
+    assert torch.equal(out.values, base * mult)
+    want = gated_kl_weights(gardo_uncertainty(table.table["proxy"], table.table["judge"][None]), 0.5)
+    assert torch.equal(out.kl_weights, want)
+
+
+# -- the moving reference ------------------------------------------------------------------------------
+
+
+class _Policy(nn.Module):
+    """The smallest policy TrainableWeights needs: a transformer child with LoRA targets."""
+
+    default_lora_targets = ("proj",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.transformer = nn.Sequential()
+        self.transformer.add_module("proj", nn.Linear(4, 4))
+
+    def out(self, x: torch.Tensor) -> torch.Tensor:
+        return self.transformer(x)
+
+
+def _trained(weights: TrainableWeights, policy: _Policy) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in policy.transformer.named_parameters() if p.requires_grad}
+
+
+def _nudge(weights: TrainableWeights, policy: _Policy, by: float) -> None:
+    with torch.no_grad():
+        for p in _trained(weights, policy).values():
+            p.add_(by)
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_a_refreshed_reference_moves_on_schedule_and_on_kl(lora: bool) -> None:
+    policy = _Policy()
+    weights = TrainableWeights(
+        LoraSettings(rank=2) if lora else None,
+        reference_copy=not lora,
+        reference_settings=ReferenceSettings(mode="refreshed", refresh_every=3, refresh_kl=0.5),
+    )
+    weights.attach(policy)
+    x = torch.randn(5, 4)
+    with weights.reference(policy):
+        initial = policy.out(x).detach()
+    _nudge(weights, policy, 0.1)
+    trained = policy.out(x).detach()
+    assert not torch.equal(trained, initial)
+    with weights.reference(policy):
+        assert torch.equal(policy.out(x), initial)  # not yet refreshed
+    assert torch.equal(policy.out(x), trained)  # the trained weights are back
+    assert not weights.after_update(policy, optimizer_steps=2, kl=0.1)  # 2 < 3 steps, KL low
+    assert weights.after_update(policy, optimizer_steps=3, kl=0.1)  # 3 steps since the start
+    with weights.reference(policy):
+        assert torch.equal(policy.out(x), trained)
+    _nudge(weights, policy, 0.1)
+    assert not weights.after_update(policy, optimizer_steps=4, kl=float("nan"))  # a broken update
+    assert weights.after_update(policy, optimizer_steps=4, kl=0.6)  # drifted past refresh_kl
+    assert weights.refreshes == 2
+    # A checkpoint holds the reference: a fresh run restored from it computes the same reference.
+    state = weights.reference_state_dict(policy)
+    other_policy = _Policy()
+    other = TrainableWeights(
+        LoraSettings(rank=2) if lora else None,
+        reference_copy=not lora,
+        reference_settings=ReferenceSettings(mode="refreshed", refresh_every=3, refresh_kl=0.5),
+    )
+    other.attach(other_policy)
+    other.load_reference_state_dict(other_policy, state)
+    with weights.reference(policy), other.reference(other_policy):
+        assert torch.equal(policy.out(x), other_policy.out(x))
+    assert other.refreshes == 2 and other._steps_at_refresh == 4
+    with pytest.raises(ValueError, match="holds no moving KL reference"):
+        other.load_reference_state_dict(other_policy, {})
+
+
+def test_an_ema_reference_trails_the_policy_by_its_decay() -> None:
+    policy = _Policy()
+    weights = TrainableWeights(LoraSettings(rank=2), reference_settings=ReferenceSettings(mode="ema", ema_decay=0.75))
+    weights.attach(policy)
+    with weights.reference(policy):
+        pass  # the stored copy is made on first use, from the adapter as it starts
+    start = {n: p.detach().clone().double() for n, p in _trained(weights, policy).items()}
+    want = dict(start)
+    for step in range(3):
+        _nudge(weights, policy, 0.2 * (step + 1))
+        weights.after_update(policy, optimizer_steps=step + 1, kl=1.0)
+        for n, p in _trained(weights, policy).items():
+            want[n] = 0.75 * want[n] + 0.25 * p.detach().double()
+    for n, ref in weights._ref_state.items():
+        torch.testing.assert_close(ref.double(), want[n], rtol=4 * 2**-24, atol=1e-7)
+    assert weights.refreshes == 0
+
+
+def test_reference_settings_are_refused_with_their_flag() -> None:
+    flag = "--model.init_args.reference"
+
+    def said(settings: ReferenceSettings, uses_reference: bool = True) -> str:
+        return "\n".join(settings.problems(uses_reference))
+
+    assert f"{flag}.refresh_every (0) must be at least 1" in said(ReferenceSettings("refreshed", refresh_every=0))
+    assert f"{flag}.mode=refreshed needs {flag}.refresh_every or {flag}.refresh_kl" in said(
+        ReferenceSettings("refreshed")
+    )
+    assert "only apply to" in said(ReferenceSettings("ema", refresh_every=5))
+    assert f"{flag}.ema_decay (1.0) must lie in [0, 1)" in said(ReferenceSettings("ema", ema_decay=1.0))
+    assert "kl_coef > 0" in said(ReferenceSettings("ema"), uses_reference=False)
+    assert said(ReferenceSettings()) == "" and said(ReferenceSettings("refreshed", refresh_kl=3e-4)) == ""
