@@ -218,3 +218,78 @@ def test_gdpo_trains_around_failed_components(tiny_sd3_path: str, tmp_path: Path
     )
     assert logged["reward/unscored_groups"] == 1 and logged["reward/failure_rate"] == 0.5
     assert logged["actor/dropped_samples"] == 4 and math.isfinite(logged["actor/loss"])
+
+
+def test_an_ema_reference_on_the_tiny_pipeline_is_checkpointed_and_resumed(tiny_sd3_path: str, tmp_path: Path) -> None:
+    """One rollout of configs/tiny_sd3.yaml (LoRA, 2 optimizer steps) with the KL on and an EMA reference:
+    the checkpoint holds the reference, between the adapter as it started and as it ended, and a run
+    resumed from it starts from that reference."""
+    ema = [
+        "--model.init_args.objective.init_args.kl_coef=0.1",
+        "--model.init_args.reference.mode=ema",
+        "--model.init_args.reference.ema_decay=0.5",
+    ]
+    cli = FlowGRPOCLI(args=tiny_fit_args(tiny_sd3_path, tmp_path, *ema))
+    assert cli.trainer.global_step == 2
+    (last,) = [p for p in (tmp_path / "checkpoints").glob("*.ckpt") if p.name == "last.ckpt"] or sorted(
+        (tmp_path / "checkpoints").glob("*.ckpt")
+    )[-1:]
+    ckpt = torch.load(last, map_location="cpu", weights_only=False)
+    reference = ckpt["lit_flowgrpo"]["reference"]["tensors"]
+    adapter = {k[k.index("transformer.") + len("transformer.") :]: v for k, v in ckpt["state_dict"].items()}
+    assert set(reference) == set(adapter)
+    # LoRA's B starts at 0: after one update the EMA is half the adapter's B (decay 0.5), and A moved
+    # half-way from its start, so it equals neither the start nor the end.
+    b = [k for k in reference if "lora_B" in k]
+    assert b and all(torch.allclose(reference[k], 0.5 * adapter[k], rtol=0, atol=1e-7) for k in b)
+    assert any(not torch.equal(reference[k], adapter[k]) for k in reference if "lora_A" in k)
+    resumed = FlowGRPOCLI(
+        args=tiny_fit_args(tiny_sd3_path, tmp_path / "resumed", *ema, "--trainer.max_steps=4", f"--ckpt_path={last}")
+    )
+    assert resumed.trainer.global_step == 4
+
+
+@pytest.mark.slow
+def test_gardo_on_the_shapes_world(tmp_path: Path) -> None:
+    """configs/hacking_gardo.yaml, two rollouts of 2 prompts x 8 samples, the reference refreshed every
+    2 steps: the gate carries the KL on the share of samples the re-derivation gates, from the components
+    of the step's own images, and the reference was refreshed after the second step."""
+    Record.steps.clear()
+    cli = FlowGRPOCLI(
+        args=[
+            "fit",
+            "--config",
+            str(REPO / "configs" / "hacking_gardo.yaml"),
+            "--trainer.max_steps=2",
+            "--trainer.limit_val_batches=0",
+            "--trainer.num_sanity_val_steps=0",
+            "--trainer.callbacks=[]",
+            "--trainer.callbacks+=test_controls.Record",
+            f"--trainer.default_root_dir={tmp_path}",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+            "--data.init_args.prompts_per_step=2",
+            "--data.init_args.group_size=8",
+            "--model.init_args.update.micro_batch_size=16",
+            "--model.init_args.reference.refresh_every=2",
+            "--model.init_args.advantage.kl_gate.adaptive=false",
+            "--model.init_args.advantage.kl_gate.fraction=0.5",
+        ]
+    )
+    assert cli.trainer.global_step == 2 and len(Record.steps) == 2
+    from lit_flowgrpo.algorithms import gardo_uncertainty, gated_kl_weights
+
+    (metrics,) = tmp_path.glob("*/version_0/metrics.csv")
+    import csv
+
+    rows = [r for r in csv.DictReader(metrics.read_text().splitlines()) if r.get("actor/kl_gated_fraction")]
+    assert len(rows) == 2
+    for step, row in zip(Record.steps, rows, strict=True):
+        c = step["components"]
+        weights = gated_kl_weights(gardo_uncertainty(c["shapes_color"], c["shapes/partial"][None]), 0.5)
+        assert float(row["actor/kl_gated_fraction"]) == pytest.approx(float((weights > 0).float().mean()), abs=1e-7)
+        assert float(row["actor/kl_gate_target"]) == pytest.approx(0.5)
+        assert float(row["critic/advantages/diversity_scale_max"]) >= 1.0
+    assert [float(r["actor/reference_refreshes"]) for r in rows] == [0.0, 1.0]
+    # One optimizer step per rollout, after its visits: the first update's KL is to the policy itself (0),
+    # the second's to the initial one after one step (small, not 0).
+    assert float(rows[0]["actor/kl_loss"]) == 0 and 0 < float(rows[1]["actor/kl_loss"]) < 1
