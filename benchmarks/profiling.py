@@ -255,23 +255,26 @@ except ImportError:  # pragma: no cover
 
 
 class ProfileSteps(Callback):
-    """Profile the training steps ``first`` … ``first + count − 1`` (counted from this run's start) of
-    every rank; write ``rank<r>_trace.json`` and the summary (:func:`write_summary`) to ``folder``.
+    """Profile the training steps ``first`` … ``first + count − 1`` (counted from this run's start) on
+    rank 0; write its Chrome trace (``rank0_trace.json``) and the summary (:func:`write_summary`) to
+    ``folder``.
 
-    Only rank 0's trace is kept (the others are summarised, then deleted: a trace of one SD3.5-M step
-    is about 100 MB). A failure while summarising is written to the summary file, never raised: the
-    run's own results must survive a profiler surprise.
+    One rank: a trace of one SD3.5-M step holds hundreds of thousands of events, and reading it back
+    costs seconds and gigabytes of host memory per rank; the other ranks' steps run unprofiled, and
+    wait for rank 0 in the collectives, so the profiled steps are slower everywhere (the benchmark
+    leaves them out of its throughput). A failure while summarising is written to the summary file,
+    never raised: the run's own results must survive a profiler surprise.
     """
 
-    def __init__(self, folder: str | Path, first: int, count: int = 1) -> None:
+    def __init__(self, folder: str | Path, first: int, count: int = 1, rank: int = 0) -> None:
         self.folder = Path(folder)
-        self.first, self.count = first, count
+        self.first, self.count, self.rank = first, count, rank
         self.steps: list[int] = []
         self._seen = 0
         self._profiler: Any = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self._seen != self.first:
+        if self._seen != self.first or trainer.global_rank != self.rank:
             return
         import torch
 
@@ -283,9 +286,10 @@ class ProfileSteps(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step, self._seen = self._seen, self._seen + 1
+        if self.first <= step < self.first + self.count:
+            self.steps.append(step)  # on every rank: each leaves the profiled steps out of its figures
         if self._profiler is None:
             return
-        self.steps.append(step)
         if self._seen < self.first + self.count:
             return
         import torch
@@ -304,5 +308,3 @@ class ProfileSteps(Callback):
             stem.with_suffix(".txt").write_text(f"profile summary failed: {type(err).__name__}: {err}\n")
         finally:
             self._profiler = None
-            if rank != 0:
-                trace.unlink(missing_ok=True)

@@ -16,7 +16,11 @@ One run per launch; ``report`` turns the runs' folders into the results JSON::
     python benchmarks/scaling.py run --strategy single --rollouts 1 --out R/single_lora
     python benchmarks/scaling.py report R --out benchmarks/results/scaling_2xH100.json
 
-``--size tiny`` builds a tiny model of the same classes, for a CPU check of the script (gloo).
+``--size`` chooses the model: ``sd35m`` (the default), ``flux12b`` (FLUX.1-dev, 11.9B) or ``qwenimage20b``
+(Qwen-Image, 20.4B: with its recipe's CFG, GRPO-Guard, 2 trained steps and LoRA r64 unless told
+otherwise); ``tiny``, ``flux_tiny`` and ``qwen_tiny`` build tiny models of the same classes, for a CPU
+check of the script (gloo). ``--profile DIR`` profiles the run's last rollouts (``profiling.py``).
+``benchmarks/big_runs.sh`` is the plan of the big-model runs on 4 GPUs.
 """
 
 from __future__ import annotations
@@ -128,11 +132,18 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 # What the family's recipe samples and trains with where it differs from the script's defaults
-# (Flow-GRPO, every step of 10 trained, noise 0.7): configs/qwenimage_ocr_grpoguard.yaml trains 2
-# steps drawn from the first 5 with GRPO-Guard, so an update costs far fewer forwards than a rollout.
+# (Flow-GRPO, every step of 10 trained, noise 0.7, LoRA r32 α64): configs/qwenimage_ocr_grpoguard.yaml
+# trains 2 steps drawn from the first 5 with GRPO-Guard (so an update costs far fewer forwards than a
+# rollout), LoRA r64 α128 on the attention and MLP projections of both streams.
 RECIPES: dict[str, dict[str, Any]] = {
     "qwenimage": dict(
-        objective="grpo_guard", sde_window_size=2, sde_window_range=(0, 5), noise_level=1.2, guidance=4.0
+        objective="grpo_guard",
+        sde_window_size=2,
+        sde_window_range=(0, 5),
+        noise_level=1.2,
+        guidance=4.0,
+        lora_rank=64,
+        lora_alpha=128,
     ),
 }
 DEFAULT_GUIDANCE = {"sd3": 4.5, "flux": 1.0, "qwenimage": 4.0}  # FLUX.1-dev: guidance is an input embedding
@@ -399,7 +410,10 @@ def run(args: argparse.Namespace) -> None:
         update=UpdateSettings(
             micro_batch_size=args.micro_batch, optimizer_steps_per_rollout=1, train_cfg=guidance > 1
         ),
-        lora=LoraSettings(rank=32, alpha=64) if lora else None,
+        # the family's default target modules (Qwen-Image: the recipe's 12 projections)
+        lora=LoraSettings(rank=recipe.get("lora_rank", 32), alpha=recipe.get("lora_alpha", 64))
+        if lora
+        else None,
         performance=PerformanceSettings(
             attention_backend=args.attention_backend,
             # under fsdp2 the strategy's flag (the same lever) turns it on
@@ -476,6 +490,7 @@ def run(args: argparse.Namespace) -> None:
         world_size=trainer.world_size,
         strategy=args.strategy,
         lora=lora,
+        lora_rank=recipe.get("lora_rank", 32) if lora else None,
         kl_coef=kl_coef,
         reference_copy=reference_copy,
         objective=objective_name,
@@ -495,7 +510,7 @@ def run(args: argparse.Namespace) -> None:
         profiled_steps=profiler.steps if profiler else [],
         profile_dir=str(Path(args.profile).resolve()) if args.profile else None,
         per_gpu=args.per_gpu,
-        global_batch=args.per_gpu * trainer.world_size,
+        global_batch=global_batch,
         peak_memory_gb_whole_run=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None,
         fit_seconds=fit_s,
@@ -587,6 +602,7 @@ def summarise(root: Path, name: str, reference: str | None) -> dict[str, Any] | 
         "world_size": info["world_size"],
         "strategy": info["strategy"],
         "lora": info["lora"],
+        "lora_rank": info.get("lora_rank"),
         "kl_coef": info["kl_coef"],
         "reference_copy": info.get("reference_copy"),
         "objective": info.get("objective", "flow_grpo"),
@@ -594,7 +610,7 @@ def summarise(root: Path, name: str, reference: str | None) -> dict[str, Any] | 
         "train_cfg": info.get("train_cfg"),
         "sde_window_size": info.get("sde_window_size"),
         "images_per_gpu": info["per_gpu"],
-        "global_batch": info.get("global_batch", info["per_gpu"] * info["world_size"]),
+        "global_batch": _global_batch(info),
         "micro_batch": info["micro_batch"],
         "resolution": info.get("resolution"),
         "activation_checkpointing": info["activation_checkpointing"],
@@ -663,10 +679,15 @@ def _matching_single(root: Path, name: str, run: dict[str, Any]) -> str | None:
             i["world_size"] == 1
             and i.get("size", "sd35m") == run["size"]
             and i["lora"] == run["lora"]
-            and i.get("global_batch", i["per_gpu"]) == run["global_batch"]
+            and _global_batch(i) == run["global_batch"]
         ):
             return folder.name
     return None
+
+
+def _global_batch(info: dict[str, Any]) -> int:
+    # Runs before the field was recorded: their per-GPU batch times their ranks (the old default).
+    return info.get("global_batch") or info["per_gpu"] * info["world_size"]
 
 
 def _profile(folder: str | None) -> dict[str, Any] | None:
@@ -873,8 +894,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         if found:
             sys.exit("; ".join(found))
         run(args)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()  # Lightning leaves it open
+        if rank == 0:
+            out = Path(args.out)
+            try:  # the line benchmarks/big_runs.sh prints per run; never the run's failure
+                print("RESULT:", line(summarise(out.parent, out.name, None) or {}), flush=True)
+            except Exception as err:
+                print(f"RESULT: {out.name}: no summary ({type(err).__name__}: {err})", flush=True)
     elif args.command == "line":
         r = summarise(Path(args.root), args.name, None)
         print(line(r) if r else f"{args.name}: no result")
