@@ -668,7 +668,7 @@ def summarise(root: Path, name: str, reference: str | None) -> dict[str, Any] | 
 def _matching_single(root: Path, name: str, run: dict[str, Any]) -> str | None:
     """A one-process run of the same size, kind (LoRA or full) and global batch, to compare the first
     rollout with (``None`` for a one-process run itself, or where there is none)."""
-    if run["world_size"] == 1:
+    if run["world_size"] == 1 or name.endswith("_resumed"):  # a resumed run starts past the first rollout
         return None
     for folder in sorted(p for p in root.iterdir() if p.is_dir() and p.name != name):
         infos = _infos(folder)
@@ -779,12 +779,12 @@ def report(args: argparse.Namespace) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(
-        f"{'run':<28}{'device':<24}{'W':>3}{'img/GPU/s':>11}{'peak GB':>9}{'resumed':>9}{'exported':>10}{'Δ1gpu':>10}"
+        f"{'run':<32}{'device':<24}{'W':>3}{'img/GPU/s':>11}{'peak GB':>9}{'resumed':>9}{'exported':>10}{'Δ1gpu':>10}"
     )
     for r in runs:
         diff = r["first_rollout_max_abs_diff_vs_1gpu"]
         print(
-            f"{r['name']:<28}{r['device'][:23]:<24}{r['world_size']:>3}"
+            f"{r['name']:<32}{r['device'][:23]:<24}{r['world_size']:>3}"
             f"{r['images_per_gpu_s'] or float('nan'):>11.3f}{r['peak_memory_gb'] or float('nan'):>9.2f}"
             f"{r['resumed_ok']!s:>9}{r['exported_ok']!s:>10}{diff if diff is not None else float('nan'):>10.2e}"
         )

@@ -75,8 +75,12 @@ def test_big_runs_plan_on_tiny_sizes(tmp_path: Path) -> None:
         r = by[name]
         assert r["profiled_rollouts"] == [2] and r["rollouts"] == 3
         assert r["profile"]["update"]["comm_ms"] > 0  # gloo's collectives on the CPU timeline
-        kinds = r["profile"]["whole"]["comm_by_kind_ms"]
-        assert ("all_gather" in kinds) == (r["strategy"] == "fsdp2") and "all_reduce" in kinds
+        assert r["profile"]["whole"]["comm_by_kind_ms"]["all_reduce"] > 0
+    # FSDP2 gathers the weights for every forward; DDP gathers only the rewards.
+    gathered = {
+        n: by[n]["profile"]["whole"]["comm_by_kind_ms"].get("all_gather", 0) for n in by if n.startswith("a_")
+    }
+    assert gathered["a_fsdp2_sd35m_lora"] > gathered["a_ddp_sd35m_lora"]
     assert by["a_fsdp2_sd35m_lora_zero2"]["reshard_after_forward"] is False
     assert by["a_fsdp2_sd35m_lora"]["reshard_after_forward"] is True
     assert "a_fsdp2_sd35m_lora / a_ddp_sd35m_lora" in result["comparison"]
