@@ -16,7 +16,11 @@ One run per launch; ``report`` turns the runs' folders into the results JSON::
     python benchmarks/scaling.py run --strategy single --rollouts 1 --out R/single_lora
     python benchmarks/scaling.py report R --out benchmarks/results/scaling_2xH100.json
 
-``--size tiny`` builds a tiny model of the same classes, for a CPU check of the script (gloo).
+``--size`` chooses the model: ``sd35m`` (the default), ``flux12b`` (FLUX.1-dev, 11.9B) or ``qwenimage20b``
+(Qwen-Image, 20.4B: with its recipe's CFG, GRPO-Guard, 2 trained steps and LoRA r64 unless told
+otherwise); ``tiny``, ``flux_tiny`` and ``qwen_tiny`` build tiny models of the same classes, for a CPU
+check of the script (gloo). ``--profile DIR`` profiles the run's last rollouts (``profiling.py``).
+``benchmarks/big_runs.sh`` is the plan of the big-model runs on 4 GPUs.
 """
 
 from __future__ import annotations
@@ -39,52 +43,29 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
+from profiling import UPDATE_RANGE, ProfileSteps  # benchmarks/ siblings: the script's folder is on sys.path
+from throughput import SPECS, TINY
 from torch import Tensor, nn
 
 from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
 from lit_flowgrpo.callbacks import RLThroughputMonitor
+from lit_flowgrpo.objective import GRPOGuard
 from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies.base import Embeds
 from lit_flowgrpo.policies.flux import FluxPolicy
+from lit_flowgrpo.policies.qwenimage import QwenImagePolicy
 from lit_flowgrpo.policies.sd3 import SD3Policy
 from lit_flowgrpo.strategies import FSDP2Strategy
 
-# stabilityai/stable-diffusion-3.5-medium: transformer/config.json, vae/config.json, scheduler, and the
-# conditioning shapes (77 CLIP + 256 T5 tokens of width 4096; pooled CLIP-L + CLIP-G, 2048).
+# The public configs (transformer, VAE, scheduler, conditioning shapes) live once, in
+# benchmarks/throughput.py's SPECS: stabilityai/stable-diffusion-3.5-medium, black-forest-labs/FLUX.1-dev
+# (11.9B), Qwen/Qwen-Image (20.4B). The tiny sizes are the same classes shrunk for a CPU check.
 SIZES: dict[str, dict[str, Any]] = {
-    "sd35m": dict(
-        transformer=dict(
-            sample_size=128,
-            patch_size=2,
-            in_channels=16,
-            num_layers=24,
-            attention_head_dim=64,
-            num_attention_heads=24,
-            joint_attention_dim=4096,
-            caption_projection_dim=1536,
-            pooled_projection_dim=2048,
-            out_channels=16,
-            pos_embed_max_size=384,
-            dual_attention_layers=tuple(range(13)),
-            qk_norm="rms_norm",
-        ),
-        vae=dict(
-            block_out_channels=(128, 256, 512, 512),
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            layers_per_block=2,
-            latent_channels=16,
-            norm_num_groups=32,
-            sample_size=1024,
-            scaling_factor=1.5305,
-            shift_factor=0.0609,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        ),
-        text=dict(tokens=333, dim=4096, pooled=2048),
-        resolution=512,
-    ),
+    "sd35m": dict(SPECS["sd35m"], resolution=512),
+    "flux12b": dict(SPECS["flux"], resolution=512),
+    "qwenimage20b": dict(SPECS["qwenimage"], resolution=512),
     "tiny": dict(
+        family="sd3",
         transformer=dict(
             sample_size=16,
             patch_size=2,
@@ -112,45 +93,12 @@ SIZES: dict[str, dict[str, Any]] = {
             use_quant_conv=False,
             use_post_quant_conv=False,
         ),
+        scheduler=SPECS["sd35m"]["scheduler"],
         text=dict(tokens=12, dim=32, pooled=24),
         resolution=32,
     ),
-}
-
-
-# black-forest-labs/FLUX.1-dev: transformer/config.json (11.9B parameters), vae/config.json,
-# scheduler/scheduler_config.json, and the conditioning shapes (512 T5 tokens of width 4096; pooled CLIP-L, 768).
-FLUX_SIZES: dict[str, dict[str, Any]] = {
-    "flux12b": dict(
-        transformer=dict(
-            patch_size=1,
-            in_channels=64,
-            num_layers=19,
-            num_single_layers=38,
-            attention_head_dim=128,
-            num_attention_heads=24,
-            joint_attention_dim=4096,
-            pooled_projection_dim=768,
-            guidance_embeds=True,
-            axes_dims_rope=(16, 56, 56),
-        ),
-        vae=dict(
-            block_out_channels=(128, 256, 512, 512),
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            layers_per_block=2,
-            latent_channels=16,
-            norm_num_groups=32,
-            sample_size=1024,
-            scaling_factor=0.3611,
-            shift_factor=0.1159,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        ),
-        text=dict(tokens=512, dim=4096, pooled=768),
-        resolution=512,
-    ),
     "flux_tiny": dict(
+        family="flux",
         transformer=dict(
             patch_size=1,
             in_channels=64,
@@ -175,11 +123,30 @@ FLUX_SIZES: dict[str, dict[str, Any]] = {
             use_quant_conv=False,
             use_post_quant_conv=False,
         ),
+        scheduler=SPECS["flux"]["scheduler"],
         text=dict(tokens=12, dim=32, pooled=24),
         resolution=32,
     ),
+    # Qwen-Image's classes and public in/out channels, VAE latent statistics and scheduler; 2 blocks.
+    "qwen_tiny": dict(TINY["qwenimage"], resolution=64),
 }
-SIZES.update(FLUX_SIZES)
+
+# What the family's recipe samples and trains with where it differs from the script's defaults
+# (Flow-GRPO, every step of 10 trained, noise 0.7, LoRA r32 α64): configs/qwenimage_ocr_grpoguard.yaml
+# trains 2 steps drawn from the first 5 with GRPO-Guard (so an update costs far fewer forwards than a
+# rollout), LoRA r64 α128 on the attention and MLP projections of both streams.
+RECIPES: dict[str, dict[str, Any]] = {
+    "qwenimage": dict(
+        objective="grpo_guard",
+        sde_window_size=2,
+        sde_window_range=(0, 5),
+        noise_level=1.2,
+        guidance=4.0,
+        lora_rank=64,
+        lora_alpha=128,
+    ),
+}
+DEFAULT_GUIDANCE = {"sd3": 4.5, "flux": 1.0, "qwenimage": 4.0}  # FLUX.1-dev: guidance is an input embedding
 
 
 def _seeded_random_modules(
@@ -230,15 +197,7 @@ class RandomFluxPolicy(FluxPolicy):
         )
 
         transformer, vae = _seeded_random_modules(FluxTransformer2DModel, AutoencoderKL, SIZES[self.size])
-        scheduler = FlowMatchEulerDiscreteScheduler(
-            num_train_timesteps=1000,
-            shift=3.0,
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=1.15,
-            base_image_seq_len=256,
-            max_image_seq_len=4096,
-        )
+        scheduler = FlowMatchEulerDiscreteScheduler(**SIZES[self.size]["scheduler"])
         none = dict.fromkeys(("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"))
         self.pipe = FluxPipeline(transformer=transformer, vae=vae, scheduler=scheduler, **none)
         self.pipe.set_progress_bar_config(disable=True)
@@ -277,7 +236,7 @@ class RandomSD3Policy(SD3Policy):
         )
 
         transformer, vae = _seeded_random_modules(SD3Transformer2DModel, AutoencoderKL, SIZES[self.size])
-        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+        scheduler = FlowMatchEulerDiscreteScheduler(**SIZES[self.size]["scheduler"])
         none = dict.fromkeys(
             ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3")
         )
@@ -295,6 +254,51 @@ class RandomSD3Policy(SD3Policy):
         }
 
 
+class RandomQwenImagePolicy(QwenImagePolicy):
+    """:class:`QwenImagePolicy` on seeded random weights built from a config; prompts map to fixed random
+    Qwen2.5-VL hidden states of the spec's length (the negative prompt " " to one token, as after the
+    chat template), so CFG batches a masked, padded text axis as with the real encoder."""
+
+    def __init__(self, size: str = "qwenimage20b") -> None:
+        cuda = torch.cuda.is_available()
+        tokens = SIZES[size]["text"]["tokens"]
+        super().__init__(
+            "random/qwenimage", dtype="bfloat16" if cuda else "float32", max_sequence_length=tokens
+        )
+        self.size = size
+
+    def problems(self) -> list[str]:
+        return []  # nothing to read
+
+    def load(self) -> None:
+        if self.pipe is not None:
+            return
+        from diffusers import (
+            AutoencoderKLQwenImage,
+            FlowMatchEulerDiscreteScheduler,
+            QwenImagePipeline,
+            QwenImageTransformer2DModel,
+        )
+
+        spec = SIZES[self.size]
+        transformer, vae = _seeded_random_modules(QwenImageTransformer2DModel, AutoencoderKLQwenImage, spec)
+        scheduler = FlowMatchEulerDiscreteScheduler(**spec["scheduler"])
+        none = dict.fromkeys(("text_encoder", "tokenizer"))
+        self.pipe = QwenImagePipeline(transformer=transformer, vae=vae, scheduler=scheduler, **none)
+        self.pipe.set_progress_bar_config(disable=True)
+        self._transformer, self.vae = transformer, vae
+        self.text_encoder = None
+
+    def _encode_one(self, prompt: str) -> Embeds:
+        text = SIZES[self.size]["text"]
+        tokens = 1 if not prompt.strip() else text["tokens"]
+        rows = functools.partial(_prompt_rows, self.device, next(self.vae.parameters()).dtype)
+        return {"prompt_embeds": rows(prompt, (1, tokens, text["dim"]))}
+
+
+POLICIES = {"sd3": RandomSD3Policy, "flux": RandomFluxPolicy, "qwenimage": RandomQwenImagePolicy}
+
+
 def brightness(images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
     return images.float().mean(dim=(1, 2, 3))
 
@@ -305,6 +309,11 @@ class Recorder(FlowGRPOModule):
     def __init__(self, out: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.out = out
+
+    def _update(self, *args: Any, **kwargs: Any) -> Any:
+        # Marks the update on the profiler's CPU and GPU timelines (the summary's "update" part).
+        with torch.profiler.record_function(UPDATE_RANGE):
+            return super()._update(*args, **kwargs)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         rows = [
@@ -365,34 +374,54 @@ def run(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     spec = SIZES[args.size]
+    family = spec["family"]
+    recipe = RECIPES.get(family, {})
     cuda = torch.cuda.is_available()
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     lora = not args.full
     kl_coef = args.kl_coef if args.kl_coef is not None else (0.0 if lora else 0.04)
+    reference_copy = not lora and kl_coef > 0
+    guidance = 1.0 if args.no_cfg else recipe.get("guidance", DEFAULT_GUIDANCE[family])
+    window = args.sde_window_size if args.sde_window_size is not None else recipe.get("sde_window_size", 0)
+    objective_name = args.objective or recipe.get("objective", "flow_grpo")
+    objective = (
+        GRPOGuard(clip_range=2e-6, kl_coef=kl_coef)
+        if objective_name == "grpo_guard"
+        else FlowGRPO(clip_range=1e-4, kl_coef=kl_coef)
+    )
+    resolution = args.resolution or spec["resolution"]
     module = Recorder(
         out=str(out),
-        policy=RandomFluxPolicy(args.size) if args.size in FLUX_SIZES else RandomSD3Policy(args.size),
+        policy=POLICIES[family](args.size),
         reward=brightness,
-        objective=FlowGRPO(clip_range=1e-4, kl_coef=kl_coef),
+        objective=objective,
         sampler=Sampler(
             num_steps=10,
-            guidance_scale=1.0
-            if args.size in FLUX_SIZES
-            else 4.5,  # FLUX.1-dev: guidance is an input embedding
-            height=args.resolution or spec["resolution"],
-            width=args.resolution or spec["resolution"],
+            noise_level=recipe.get("noise_level", 0.7),
+            guidance_scale=guidance,
+            sde_window_size=window or None,
+            sde_window_range=recipe.get("sde_window_range") if window else None,
+            height=resolution,
+            width=resolution,
             batch_size=args.per_gpu,  # one rollout chunk per rank's share: 1 GPU runs the same forwards
         ),
         # One optimizer step per rollout: every ratio of the first rollout is then computed with the
         # initial weights, per sample, whatever the number of ranks (the equality check needs it).
-        update=UpdateSettings(micro_batch_size=args.micro_batch, optimizer_steps_per_rollout=1),
-        lora=LoraSettings(rank=32, alpha=64) if lora else None,
+        update=UpdateSettings(
+            micro_batch_size=args.micro_batch, optimizer_steps_per_rollout=1, train_cfg=guidance > 1
+        ),
+        # the family's default target modules (Qwen-Image: the recipe's 12 projections)
+        lora=LoraSettings(rank=recipe.get("lora_rank", 32), alpha=recipe.get("lora_alpha", 64))
+        if lora
+        else None,
         performance=PerformanceSettings(
             attention_backend=args.attention_backend,
             # under fsdp2 the strategy's flag (the same lever) turns it on
             activation_checkpointing=args.activation_checkpointing and args.strategy != "fsdp2",
+            compile_blocks=args.compile_blocks,
+            compile_backend=args.compile_backend,
         ),
-        reference_copy=not lora and kl_coef > 0,
+        reference_copy=reference_copy,
         # Large enough that two updates show in bf16 weights and in the next rollout's rewards.
         optimizer=functools.partial(torch.optim.AdamW, lr=3e-4 if lora else 1e-4, weight_decay=1e-4),
     )
@@ -402,9 +431,19 @@ def run(args: argparse.Namespace) -> None:
     data = PromptDataModule(train=str(prompts), prompts_per_step=global_batch // 8, group_size=8, seed=1)
     strategy: Any = {"single": "auto", "ddp": "ddp"}.get(args.strategy)
     if args.strategy == "fsdp2":
-        strategy = FSDP2Strategy(activation_checkpointing=args.activation_checkpointing)
+        strategy = FSDP2Strategy(
+            activation_checkpointing=args.activation_checkpointing,
+            reshard_after_forward=args.reshard_after_forward,
+        )
     clock = StepClock()
     callbacks: list[Callback] = [RLThroughputMonitor(measure_flops=not args.no_flop_count), clock]
+    profiler = None
+    if args.profile:
+        # The last rollouts of the run: the earlier ones give the unprofiled figures.
+        profiler = ProfileSteps(
+            args.profile, first=args.rollouts - args.profile_steps, count=args.profile_steps
+        )
+        callbacks.append(profiler)
     if args.save_at:
         callbacks.append(
             ModelCheckpoint(
@@ -429,13 +468,15 @@ def run(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     trainer.fit(module, datamodule=data, ckpt_path=args.resume)
     fit_s = time.perf_counter() - start
-    trained = _gather_trainable(module)
+    # Gathering a full fine-tune's weights on rank 0 copies the whole model to the host (24 GB for
+    # FLUX.1, 41 GB for Qwen-Image): only when something reads them.
+    trained = _gather_trainable(module) if (args.export or args.compare_to or args.save_trained) else {}
     rank = trainer.global_rank
     info: dict[str, Any] = {}
     if args.export:
         module.export(str(out / "export"))
         if rank == 0:
-            info["exported_ok"] = _exported_ok(out / "export", trained, lora)
+            info["exported_ok"] = _exported_ok(out / "export", trained, lora, family)
     if rank == 0 and args.compare_to:
         info["resume_weights_max_abs_diff"] = _max_diff(
             torch.load(Path(args.compare_to) / "trained.pt"), trained
@@ -444,19 +485,34 @@ def run(args: argparse.Namespace) -> None:
         torch.save(trained, out / "trained.pt")
     info.update(
         rank=rank,
+        size=args.size,
+        family=family,
         world_size=trainer.world_size,
         strategy=args.strategy,
         lora=lora,
+        lora_rank=recipe.get("lora_rank", 32) if lora else None,
         kl_coef=kl_coef,
+        reference_copy=reference_copy,
+        objective=objective_name,
+        guidance_scale=guidance,
+        train_cfg=guidance > 1,
+        sde_window_size=window or None,
         micro_batch=args.micro_batch,
-        resolution=args.resolution or spec["resolution"],
+        resolution=resolution,
         activation_checkpointing=args.activation_checkpointing,
+        reshard_after_forward=args.reshard_after_forward if args.strategy == "fsdp2" else None,
+        compile_blocks=args.compile_blocks,
+        compile_backend=args.compile_backend if args.compile_blocks else None,
         attention_backend=args.attention_backend,
         skipped_optimizer_steps=module._counters["skipped_optimizer_steps"],
         nonfinite_losses=module._counters["nonfinite_losses"],
         step_seconds=clock.seconds,
+        profiled_steps=profiler.steps if profiler else [],
+        profile_dir=str(Path(args.profile).resolve()) if args.profile else None,
         per_gpu=args.per_gpu,
+        global_batch=global_batch,
         peak_memory_gb_whole_run=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None,
         fit_seconds=fit_s,
         device=torch.cuda.get_device_name() if cuda else "cpu",
         torch=torch.__version__,
@@ -530,34 +586,52 @@ def summarise(root: Path, name: str, reference: str | None) -> dict[str, Any] | 
     info = infos[0]
     metrics = _metrics(folder)
     steps = sorted(metrics)
-    # The first rollout carries the FLOP count, allocator warm-up and first-call compilations.
-    measured = [metrics[s] for s in steps[1:]] or [metrics[s] for s in steps]
+    # The first rollout carries the FLOP count, allocator warm-up and first-call compilations; a
+    # profiled rollout carries the profiler's cost: the figures are the other rollouts' (or, where no
+    # other is left, the profiled ones').
+    profiled = set(info.get("profiled_steps") or [])
+    measured = [metrics[s] for i, s in enumerate(steps) if i >= 1 and i not in profiled]
+    measured = measured or [metrics[s] for s in steps[1:]] or [metrics[s] for s in steps]
     throughput = [r["perf/throughput"] for r in measured if "perf/throughput" in r]
     step_peaks = [r["perf/max_memory_allocated_gb"] for r in measured if "perf/max_memory_allocated_gb" in r]
     out: dict[str, Any] = {
         "name": name,
+        "size": info.get("size", "sd35m"),
         "device": info["device"],
+        "gpu_memory_gb": info.get("gpu_memory_gb"),
         "world_size": info["world_size"],
         "strategy": info["strategy"],
         "lora": info["lora"],
+        "lora_rank": info.get("lora_rank"),
         "kl_coef": info["kl_coef"],
+        "reference_copy": info.get("reference_copy"),
+        "objective": info.get("objective", "flow_grpo"),
+        "guidance_scale": info.get("guidance_scale"),
+        "train_cfg": info.get("train_cfg"),
+        "sde_window_size": info.get("sde_window_size"),
         "images_per_gpu": info["per_gpu"],
+        "global_batch": _global_batch(info),
         "micro_batch": info["micro_batch"],
         "resolution": info.get("resolution"),
         "activation_checkpointing": info["activation_checkpointing"],
+        "reshard_after_forward": info.get("reshard_after_forward"),
+        "compile_blocks": info.get("compile_blocks", False),
         "attention_backend": info.get("attention_backend", "auto"),
         # A step whose gradient was not finite is skipped (the weights stay): a run that trains has none.
         "skipped_optimizer_steps": info.get("skipped_optimizer_steps"),
         "nonfinite_losses": info.get("nonfinite_losses"),
         "rollouts": len(steps),
+        "profiled_rollouts": sorted(profiled),
         "images_per_gpu_s": statistics.median(throughput) if throughput else None,
         "step_seconds_rank0": info["step_seconds"],
         # The training step's peak (rank 0); the whole run's peak (FLOP count, checkpoint, export) over ranks.
         "peak_memory_gb": max(step_peaks) if step_peaks else None,
         "peak_memory_gb_whole_run_max_over_ranks": max((i["peak_memory_gb_whole_run"] or 0.0) for i in infos),
+        "fit_seconds": info.get("fit_seconds"),
         "torch": info["torch"],
         "lightning": info["lightning"],
     }
+    out["profile"] = _profile(info.get("profile_dir"))
     resumed = root / f"{name}_resumed"
     resumed_infos = _infos(resumed)
     if resumed_infos:
@@ -579,9 +653,11 @@ def summarise(root: Path, name: str, reference: str | None) -> dict[str, Any] | 
     else:
         out["resumed_ok"] = None
     out["exported_ok"] = info.get("exported_ok")
+    reference = reference if reference is not None else _matching_single(root, name, out)
     same_kind = reference is not None and any(i["lora"] == info["lora"] for i in _infos(root / reference))
     if same_kind:
         diff = first_rollout_diff(root / reference, folder)
+        out["first_rollout_reference"] = reference
         out["first_rollout_max_abs_diff_vs_1gpu"] = max(diff.values())
         out["first_rollout_diffs_vs_1gpu"] = diff
     else:
@@ -589,13 +665,79 @@ def summarise(root: Path, name: str, reference: str | None) -> dict[str, Any] | 
     return out
 
 
-def _exported_ok(path: Path, trained: dict[str, Tensor], lora: bool) -> bool:
+def _matching_single(root: Path, name: str, run: dict[str, Any]) -> str | None:
+    """A one-process run of the same size, kind (LoRA or full) and global batch, to compare the first
+    rollout with (``None`` for a one-process run itself, or where there is none)."""
+    if run["world_size"] == 1 or name.endswith("_resumed"):  # a resumed run starts past the first rollout
+        return None
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and p.name != name):
+        infos = _infos(folder)
+        if not infos or folder.name.endswith("_resumed"):
+            continue
+        i = infos[0]
+        if (
+            i["world_size"] == 1
+            and i.get("size", "sd35m") == run["size"]
+            and i["lora"] == run["lora"]
+            and _global_batch(i) == run["global_batch"]
+        ):
+            return folder.name
+    return None
+
+
+def _global_batch(info: dict[str, Any]) -> int:
+    # Runs before the field was recorded: their per-GPU batch times their ranks (the old default).
+    return info.get("global_batch") or info["per_gpu"] * info["world_size"]
+
+
+def _profile(folder: str | None) -> dict[str, Any] | None:
+    """Rank 0's profile summary (benchmarks/profiling.py) without its kernel list: the communication
+    figures of the whole profiled window and of the update inside it."""
+    path = Path(folder) / "rank0_summary.json" if folder else None
+    if path is None or not path.exists():
+        return None
+    summary = json.loads(path.read_text())
+    out: dict[str, Any] = {"source": summary["source"]}
+    for part in ("whole", "update"):
+        if summary.get(part):
+            out[part] = {k: v for k, v in summary[part].items() if k != "top"}
+            out[part]["top5"] = [r["name"][:80] for r in summary[part]["top"][:5]]
+    return out
+
+
+def line(r: dict[str, Any]) -> str:
+    """One line of a run's figures."""
+    diff = r["first_rollout_max_abs_diff_vs_1gpu"]
+    prof = (r.get("profile") or {}).get("update") or (r.get("profile") or {}).get("whole") or {}
+    comm = (
+        f" comm {prof['comm_ms']:.0f}ms overlapped {prof['comm_overlapped_fraction']:.0%}"
+        if prof.get("comm_overlapped_fraction") is not None
+        else ""
+    )
+    return (
+        f"{r['name']}: {r['size']} {r['strategy']} W{r['world_size']} {'lora' if r['lora'] else 'full'}"
+        f" {r['images_per_gpu_s'] or float('nan'):.3f} img/GPU/s peak {r['peak_memory_gb'] or float('nan'):.1f} GiB"
+        f" steps {[round(x, 1) for x in r['step_seconds_rank0']]}s resumed {r['resumed_ok']} exported"
+        f" {r['exported_ok']} d1gpu {diff if diff is not None else '-'}{comm}"
+    )
+
+
+# The family's pipeline (whose LoRA loader reads the adapter) and transformer class.
+EXPORT_CLASSES = {
+    "sd3": ("StableDiffusion3Pipeline", "SD3Transformer2DModel"),
+    "flux": ("FluxPipeline", "FluxTransformer2DModel"),
+    "qwenimage": ("QwenImagePipeline", "QwenImageTransformer2DModel"),
+}
+
+
+def _exported_ok(path: Path, trained: dict[str, Tensor], lora: bool, family: str = "sd3") -> bool:
     """The export loads with diffusers' own loaders and holds the trained weights, exactly."""
+    import diffusers
+
+    pipeline_name, transformer_name = EXPORT_CLASSES[family]
     prefix = "policy._transformer."
     if lora:
-        from diffusers import StableDiffusion3Pipeline
-
-        state = StableDiffusion3Pipeline.lora_state_dict(str(path))
+        state = getattr(diffusers, pipeline_name).lora_state_dict(str(path))
         state = state[0] if isinstance(state, tuple) else state
         # diffusers: transformer.<module>.lora_A.weight; ours: policy._transformer.<module>.lora_A.default.weight
         ours = {
@@ -603,9 +745,7 @@ def _exported_ok(path: Path, trained: dict[str, Tensor], lora: bool) -> bool:
             for k, v in state.items()
         }
         return sorted(ours) == sorted(trained) and _max_diff(ours, trained) == 0.0
-    from diffusers import SD3Transformer2DModel
-
-    loaded = SD3Transformer2DModel.from_pretrained(str(path)).state_dict()
+    loaded = getattr(diffusers, transformer_name).from_pretrained(str(path)).state_dict()
     return all(torch.equal(loaded[k.removeprefix(prefix)], v) for k, v in trained.items())
 
 
@@ -615,15 +755,20 @@ def report(args: argparse.Namespace) -> None:
     runs = [
         r for r in (summarise(root, n, args.reference if n != args.reference else None) for n in names) if r
     ]
-    by = {r["name"]: r for r in runs}
     comparison: dict[str, Any] = {}
     for fsdp in runs:
-        ddp = by.get("ddp_" + ("lora" if fsdp["lora"] else "full"))
-        if (
-            not fsdp["name"].startswith("fsdp2")
-            or not ddp
-            or not (fsdp["images_per_gpu_s"] and ddp["images_per_gpu_s"])
-        ):
+        if fsdp["strategy"] != "fsdp2" or not fsdp["images_per_gpu_s"]:
+            continue
+        same = ("size", "lora", "world_size", "images_per_gpu", "micro_batch")
+        ddp = next(
+            (
+                r
+                for r in runs
+                if r["strategy"] == "ddp" and r["images_per_gpu_s"] and all(r[k] == fsdp[k] for k in same)
+            ),
+            None,
+        )
+        if ddp is None:
             continue
         comparison[f"{fsdp['name']} / {ddp['name']}"] = entry = {
             "throughput": fsdp["images_per_gpu_s"] / ddp["images_per_gpu_s"]
@@ -634,16 +779,40 @@ def report(args: argparse.Namespace) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(
-        f"{'run':<16}{'device':<24}{'W':>3}{'img/GPU/s':>11}{'peak GB':>9}{'resumed':>9}{'exported':>10}{'Δ1gpu':>10}"
+        f"{'run':<32}{'device':<24}{'W':>3}{'img/GPU/s':>11}{'peak GB':>9}{'resumed':>9}{'exported':>10}{'Δ1gpu':>10}"
     )
     for r in runs:
         diff = r["first_rollout_max_abs_diff_vs_1gpu"]
         print(
-            f"{r['name']:<16}{r['device'][:23]:<24}{r['world_size']:>3}"
+            f"{r['name']:<32}{r['device'][:23]:<24}{r['world_size']:>3}"
             f"{r['images_per_gpu_s'] or float('nan'):>11.3f}{r['peak_memory_gb'] or float('nan'):>9.2f}"
             f"{r['resumed_ok']!s:>9}{r['exported_ok']!s:>10}{diff if diff is not None else float('nan'):>10.2e}"
         )
     print(json.dumps(comparison))
+
+
+def _bool(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give true or false")
+    return text.lower() == "true"
+
+
+def problems(args: argparse.Namespace) -> list[str]:
+    """Every problem with the run's flags, before anything is loaded."""
+    p = []
+    if args.per_gpu * args.global_ranks % 8:
+        p.append("--per_gpu × --global_ranks must be a multiple of the group size 8")
+    if not args.reshard_after_forward and args.strategy != "fsdp2":
+        p.append("--reshard_after_forward false is an fsdp2 setting: use it with --strategy fsdp2")
+    if args.profile and not 1 <= args.profile_steps <= args.rollouts:
+        p.append(f"--profile_steps ({args.profile_steps}) must be in [1, --rollouts ({args.rollouts})]")
+    if args.profile and args.resume:
+        p.append("--profile with --resume: profile the uninterrupted run (it profiles the last rollouts)")
+    if args.no_cfg and SIZES[args.size]["family"] == "flux":
+        p.append("--no_cfg with a FLUX size: FLUX.1-dev has no CFG batch (its guidance is an input)")
+    if args.compile_backend != "inductor" and not args.compile_blocks:
+        p.append("--compile_backend needs --compile_blocks")
+    return p
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -672,6 +841,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument("--activation_checkpointing", action="store_true")
     p.add_argument(
+        "--reshard_after_forward",
+        type=_bool,
+        default=True,
+        help="fsdp2: free each block's gathered weights after its forward (true, ZeRO-3) or keep them "
+        "until its backward (false, ZeRO-2: fewer all-gathers, the whole model's memory)",
+    )
+    p.add_argument("--compile_blocks", action="store_true", help="PerformanceSettings.compile_blocks")
+    p.add_argument("--compile_backend", default="inductor", help="PerformanceSettings.compile_backend")
+    p.add_argument(
+        "--no_cfg", action="store_true", help="sample and train without CFG (guidance 1; SD3 and Qwen-Image)"
+    )
+    p.add_argument(
+        "--sde_window_size",
+        type=int,
+        default=None,
+        help="trained steps per rollout (0: all but the last; default: the family's recipe, Qwen-Image 2)",
+    )
+    p.add_argument(
+        "--objective",
+        choices=("flow_grpo", "grpo_guard"),
+        default=None,
+        help="default: the family's recipe (Qwen-Image: GRPO-Guard), else Flow-GRPO",
+    )
+    p.add_argument("--profile", default=None, help="profile the last rollouts; traces and summaries here")
+    p.add_argument("--profile_steps", type=int, default=1, help="rollouts to profile (the run's last)")
+    p.add_argument(
         "--attention_backend",
         default="auto",
         choices=("auto", "cudnn", "flash", "efficient", "math"),
@@ -684,16 +879,33 @@ def main(argv: Sequence[str] | None = None) -> None:
     r = sub.add_parser("report", help="the results JSON from the runs' folders")
     r.add_argument("root")
     r.add_argument(
-        "--reference", default="single_lora", help="the 1-GPU run the first rollouts are compared with"
+        "--reference",
+        default=None,
+        help="the 1-GPU run the first rollouts are compared with (default: each run's one-process run of "
+        "the same size, kind and global batch)",
     )
     r.add_argument("--out", required=True)
+    o = sub.add_parser("line", help="one line of one run's figures")
+    o.add_argument("root")
+    o.add_argument("name")
     args = parser.parse_args(argv)
     if args.command == "run":
-        if args.per_gpu * args.global_ranks % 8:
-            sys.exit("--per_gpu × --global_ranks must be a multiple of the group size 8")
+        found = problems(args)
+        if found:
+            sys.exit("; ".join(found))
         run(args)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()  # Lightning leaves it open
+        if rank == 0:
+            out = Path(args.out)
+            try:  # the line benchmarks/big_runs.sh prints per run; never the run's failure
+                print("RESULT:", line(summarise(out.parent, out.name, None) or {}), flush=True)
+            except Exception as err:
+                print(f"RESULT: {out.name}: no summary ({type(err).__name__}: {err})", flush=True)
+    elif args.command == "line":
+        r = summarise(Path(args.root), args.name, None)
+        print(line(r) if r else f"{args.name}: no result")
     else:
         report(args)
 

@@ -217,9 +217,23 @@ class FSDP2Strategy(ModelParallelStrategy):
             dcp.load({"state_dict": state}, storage_reader=reader)
             set_model_state_dict(model, state, options=StateDictOptions(strict=False))
             for i, optimizer in enumerate(self.optimizers):
-                optim_state = {f"optimizer_{i}": get_optimizer_state_dict(model, optimizer)}
+                key = f"optimizer_{i}"
+                wanted_optim = get_optimizer_state_dict(model, optimizer)
+                # A parameter that never had a gradient has no optimizer state in the checkpoint (Qwen-Image's
+                # last block computes a text-stream output the model never reads, so its LoRA weights there
+                # get none), while a fresh optimizer's state dict lists every parameter: load what was
+                # saved, and leave the rest without state, as in the run that saved it.
+                wanted_optim["state"] = {
+                    fqn: entry
+                    for fqn, entry in wanted_optim["state"].items()
+                    if all(f"{key}.state.{fqn}.{name}" in saved for name in entry)
+                }
+                optim_state = {key: wanted_optim}
                 dcp.load(optim_state, storage_reader=reader)
-                set_optimizer_state_dict(model, optimizer, optim_state[f"optimizer_{i}"])
+                # not strict: the parameters left out above
+                set_optimizer_state_dict(
+                    model, optimizer, optim_state[key], options=StateDictOptions(strict=False)
+                )
             checkpoint = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
             checkpoint["state_dict"] = state
             return checkpoint

@@ -211,8 +211,14 @@ def test_unsupported_strategies_point_to_fsdp2_before_lightning_speaks(run, stra
             ],
             r"--model\.init_args\.performance\.rollout_merged_lora with a full fine-tune",
         ),
-        (["--data.init_args.max_val_prompts=0"], r"--data\.init_args\.max_val_prompts \(0\) must be at least 1"),
-        (["--data.init_args.max_val_prompts=-1"], r"--data\.init_args\.max_val_prompts \(-1\) must be at least 1"),
+        (
+            ["--data.init_args.max_val_prompts=0"],
+            r"--data\.init_args\.max_val_prompts \(0\) must be at least 1",
+        ),
+        (
+            ["--data.init_args.max_val_prompts=-1"],
+            r"--data\.init_args\.max_val_prompts \(-1\) must be at least 1",
+        ),
         (
             ["--trainer.logger=false"],
             r"--trainer\.logger=false with lightning\.pytorch\.callbacks\.LearningRateMonitor",

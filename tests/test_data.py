@@ -58,7 +58,10 @@ def test_ranks_split_the_one_rank_draw(world_size: int) -> None:
 
 
 def test_indivisible_batch_names_the_settings() -> None:
-    with pytest.raises(ValueError, match=r"--data\.init_args\.prompts_per_step × --data\.init_args\.group_size \(3 × 4 = 12\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"--data\.init_args\.prompts_per_step × --data\.init_args\.group_size \(3 × 4 = 12\)",
+    ):
         GroupSampler(NUM_PROMPTS, M, K, world_size=5, rank=0, seed=0)
 
 
@@ -154,7 +157,9 @@ def test_state_dict_resumes_the_stream(prompts_jsonl: str) -> None:
     restored.load_state_dict(dm.state_dict())
     resumed = _rank_batches(restored, 1, 0, steps=5)
     assert [(b.step, _rows(b)) for b in resumed] == [(b.step, _rows(b)) for b in uninterrupted[4:]]
-    with pytest.raises(ValueError, match=r"--data\.init_args\.seed \(3\) differs from the checkpoint's \(2\)"):
+    with pytest.raises(
+        ValueError, match=r"--data\.init_args\.seed \(3\) differs from the checkpoint's \(2\)"
+    ):
         PromptDataModule(prompts_jsonl, seed=3).load_state_dict(dm.state_dict())
 
 

@@ -80,7 +80,9 @@ def run(path: str, prompts: str, out: Path, devices: int, fp8: bool = False, nft
         # DiffusionNFT: its visits' noise levels and noise are seeded per sample id, and its old policy
         # (a stored adapter copy) is refreshed from the synced weights on every rank alike
         objective=DiffusionNFT() if nft else FlowGRPO(clip_range=1e-2),
-        sampler=Sampler(num_steps=3, eval_num_steps=2, height=32, width=32, guidance_scale=1.0 if nft else 4.5),
+        sampler=Sampler(
+            num_steps=3, eval_num_steps=2, height=32, width=32, guidance_scale=1.0 if nft else 4.5
+        ),
         update=UpdateSettings(micro_batch_size=2, optimizer_steps_per_rollout=1),
         lora=LoraSettings(rank=2, alpha=4),
         performance=PerformanceSettings(fp8_base_matmuls=fp8),
@@ -105,7 +107,9 @@ def collect(out: Path) -> dict[int, dict[int, tuple[float, float]]]:
 # fp8: the float8 copies of the base stay out of DDP's buffer broadcast (gloo cannot send float8),
 # and each token quantizes alone, so two ranks compute what one process does.
 @pytest.mark.parametrize(
-    ("fp8", "nft"), [(False, False), (True, False), (False, True)], ids=["bf16_base", "fp8_base", "diffusion_nft"]
+    ("fp8", "nft"),
+    [(False, False), (True, False), (False, True)],
+    ids=["bf16_base", "fp8_base", "diffusion_nft"],
 )
 def test_ddp_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tmp_path, fp8, nft):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

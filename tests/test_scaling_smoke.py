@@ -1,10 +1,13 @@
-"""benchmarks/scaling.py on its tiny SD3 and FLUX sizes, one CPU process: a rollout trains, the
-figures and rows are written, and a LoRA export loads back with diffusers holding the trained weights."""
+"""benchmarks/scaling.py on its tiny SD3, FLUX and Qwen-Image sizes, one CPU process: a rollout trains,
+the figures and rows are written, and a LoRA export loads back with diffusers holding the trained
+weights. Then benchmarks/big_runs.sh, the plan of the 4-GPU call, end to end on the tiny sizes
+(SMOKE=1: 2 gloo processes where it has 4 GPUs)."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +15,13 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "scaling.py"
+PLAN = SCRIPT.parent / "big_runs.sh"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("size", "extra"), [("tiny", ["--export"]), ("flux_tiny", ["--full"])])
+@pytest.mark.parametrize(
+    ("size", "extra"), [("tiny", ["--export"]), ("flux_tiny", ["--full"]), ("qwen_tiny", ["--export"])]
+)
 def test_scaling_script_runs_one_rollout(size: str, extra: list[str], tmp_path: Path) -> None:
     out = tmp_path / size
     args = ["run", "--strategy", "single", "--size", size, "--rollouts", "1", "--per_gpu", "8"]
@@ -30,3 +36,73 @@ def test_scaling_script_runs_one_rollout(size: str, extra: list[str], tmp_path: 
     assert any("perf/throughput" in row for row in logged.values())
     if "--export" in extra:
         assert info["exported_ok"] is True
+
+
+# slow: about 15 processes, 3 at a time at most (5 to 10 minutes on 2 shared cores).
+@pytest.mark.slow
+def test_big_runs_plan_on_tiny_sizes(tmp_path: Path) -> None:
+    """Every step of the 4-GPU plan runs on the CPU and lands in the results JSON with its settings:
+    the profiled SD3.5-M LoRA pair, Qwen-Image LoRA under fsdp2 (exported, resumed, against its
+    one-process run), the FLUX and Qwen-Image full fine-tunes, and the extras (reshard_after_forward
+    false, compiled blocks under fsdp2)."""
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    env = dict(os.environ, SMOKE="1", PYTHON=sys.executable)
+    proc = subprocess.run(
+        ["bash", str(PLAN), str(runs), str(out)], env=env, capture_output=True, text=True, timeout=1800
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    summary = (out / "summary.txt").read_text()
+    steps = [row for row in summary.splitlines() if " rc=" in row]
+    names = {
+        "a_ddp_sd35m_lora",
+        "a_fsdp2_sd35m_lora",
+        "b_fsdp2_qwen20b_lora",
+        "b_single_qwen20b_lora",
+        "c_fsdp2_flux12b_full",
+        "d_fsdp2_qwen20b_full",
+        "b_fsdp2_qwen20b_lora_resumed",
+        "a_fsdp2_sd35m_lora_zero2",
+        "c_fsdp2_flux12b_full_compiled",
+    }
+    assert {row.split(" rc=")[0] for row in steps} == names, summary
+    assert all(" rc=0 " in row and "no result" not in row for row in steps), summary
+    assert (out / "failures.txt").read_text() == ""
+    result = json.loads((out / "big_runs.json").read_text())
+    by = {r["name"]: r for r in result["runs"]}
+    assert set(by) == names - {"b_fsdp2_qwen20b_lora_resumed"}
+    assert all(r["skipped_optimizer_steps"] == 0 and r["images_per_gpu_s"] for r in by.values())
+    for name in ("a_ddp_sd35m_lora", "a_fsdp2_sd35m_lora", "a_fsdp2_sd35m_lora_zero2"):
+        r = by[name]
+        assert r["profiled_rollouts"] == [2] and r["rollouts"] == 3
+        assert r["profile"]["update"]["comm_ms"] > 0  # gloo's collectives on the CPU timeline
+        assert r["profile"]["whole"]["comm_by_kind_ms"]["all_reduce"] > 0
+    # FSDP2 gathers the weights for every forward; DDP gathers only the rewards.
+    gathered = {
+        n: by[n]["profile"]["whole"]["comm_by_kind_ms"].get("all_gather", 0) for n in by if n.startswith("a_")
+    }
+    assert gathered["a_fsdp2_sd35m_lora"] > gathered["a_ddp_sd35m_lora"]
+    assert by["a_fsdp2_sd35m_lora_zero2"]["reshard_after_forward"] is False
+    assert by["a_fsdp2_sd35m_lora"]["reshard_after_forward"] is True
+    assert "a_fsdp2_sd35m_lora / a_ddp_sd35m_lora" in result["comparison"]
+    b = by["b_fsdp2_qwen20b_lora"]
+    assert b["resumed_ok"] is True and b["exported_ok"] is True
+    assert b["first_rollout_reference"] == "b_single_qwen20b_lora"
+    assert b["first_rollout_max_abs_diff_vs_1gpu"] < 1e-3
+    assert (b["objective"], b["sde_window_size"], b["guidance_scale"], b["lora_rank"]) == (
+        "grpo_guard",
+        2,
+        4.0,
+        64,
+    )
+    c, d = by["c_fsdp2_flux12b_full"], by["d_fsdp2_qwen20b_full"]
+    assert (c["lora"], c["reference_copy"], c["kl_coef"], c["activation_checkpointing"]) == (
+        False,
+        True,
+        0.04,
+        False,
+    )
+    assert (d["lora"], d["reference_copy"], d["train_cfg"], d["guidance_scale"]) == (False, False, False, 1.0)
+    assert by["c_fsdp2_flux12b_full_compiled"]["compile_blocks"] is True
+    assert "update" in (out / "profiles.txt").read_text()
+    raw = [json.loads(row) for row in (out / "runs.jsonl").read_text().splitlines()]
+    assert {r["name"] for r in raw} == names and all(r["info"] and r["metrics"] for r in raw)
