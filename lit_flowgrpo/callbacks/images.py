@@ -203,6 +203,8 @@ class SampleImageLogger(Callback):
                 grid = video_grid(pixels)  # (F, 3, H', W')
                 gif = gif_bytes(frames_of(grid), self.fps)
                 summary = tensorboard_gif_summary(key, gif, height=grid.shape[2], width=grid.shape[3])
+                # the summary add_video writes, through the writer's public file_writer: add_video
+                # itself encodes with moviepy, which this project does not depend on
                 logger.experiment.file_writer.add_summary(summary, step)
                 text = "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions))
                 logger.experiment.add_text(f"{key}/captions", text, global_step=step)

@@ -73,8 +73,8 @@ class VLMJudgeReward:
         score_pattern: a regex whose first group is the score in the reply.
         score_max: the score is divided by this (5 maps a 1–5 scale to (0, 1]).
         image_format: encoding of the image in the data URL.
-        resize: resize images to this square size before sending (Flow-GRPO sends 512); ``None``
-            sends them as they are.
+        resize: resize images (and video frames) to this square size before sending (Flow-GRPO
+            sends 512); ``None`` sends them as they are.
         max_tokens: completion budget of one reply.
         temperature: sampling temperature of the judge (0 makes it deterministic).
         api_key: sent as ``Authorization: Bearer``; ``None`` sends no key (local servers).
