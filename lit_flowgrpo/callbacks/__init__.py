@@ -6,7 +6,7 @@
   grad only (a LoRA's few megabytes, not the frozen base), swapped in for validation and export,
   saved in the checkpoint.
 - :class:`SampleImageLogger` (``images.py``): a grid of samples with prompts and rewards, and a table
-  of validation samples, to W&B, TensorBoard or PNG/JSON.
+  of validation samples, to W&B, TensorBoard or PNG/JSON; videos as animated GIFs (``videos.py``).
 - :class:`FinalCheckpoint` (``final_checkpoint.py``): the trainer's ``ModelCheckpoint`` saves the
   last state at the end of fit and on SIGTERM (which then exits 143).
 - :class:`RolloutProgressBar` (``progress.py``): a TQDM bar counting rollouts to the end of the run,

@@ -1,7 +1,8 @@
-"""Sample images with their prompts and rewards, and a table of validation samples, to any logger."""
+"""Sample images or videos with their prompts and rewards, and a table of validation samples, to any logger."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -18,6 +19,14 @@ from typing_extensions import override
 
 from lit_flowgrpo.callbacks._lightning import rollout_step
 from lit_flowgrpo.callbacks._module import as_mapping
+from lit_flowgrpo.callbacks.videos import (
+    captioned_video,
+    downscale,
+    frames_of,
+    gif_bytes,
+    tensorboard_gif_summary,
+    video_grid,
+)
 from lit_flowgrpo.step_output import StepOutput, ValidationOutput
 
 __all__ = ["SampleImageLogger", "captioned_grid", "image_grid"]
@@ -34,7 +43,14 @@ class SampleImageLogger(Callback):
     Rank 0 only; sanity checking is skipped. Images may stay on the module's device: only those
     logged are copied to the host, on the steps they are logged.
 
-    Where it goes, per logger: W&B (``WandbLogger.log_image``: one ``wandb.Image`` per sample with its
+    Videos: when the step returns ``images`` of shape (B, F, 3, H, W), the same samples are logged as
+    animated GIFs (Pillow: no video library needed; :mod:`lit_flowgrpo.callbacks.videos`) at ``fps``,
+    each brought down to at most ``video_max_side`` px: W&B gets one ``wandb.Video`` per sample with its
+    caption (``WandbLogger.log_video``, and a video column in the table); TensorBoard one GIF of the
+    samples tiled as a grid (what ``add_video`` writes) plus the captions; any other logger
+    ``images/<key>_step<step>.gif``, the captioned grid of every frame, and the ``.json`` of captions.
+
+    Where images go, per logger: W&B (``WandbLogger.log_image``: one ``wandb.Image`` per sample with its
     caption, works offline; the table through ``WandbLogger.log_table``); TensorBoard (``add_images``
     plus the captions, and the table as markdown, through ``add_text``); any other logger, or none,
     gets ``images/<key>_step<step>.png`` (a grid, each sample enlarged to about 128 px with its prompt and
@@ -47,6 +63,10 @@ class SampleImageLogger(Callback):
         log_validation: log validation samples.
         log_table: also log the validation samples as a table (reuses the grid's samples: no extra
             host copy).
+        fps: the frame rate videos are shown at (Wan 2.1 generates 16 frames per second).
+        video_max_side: videos are area-downscaled so that their longer side is at most this many
+            pixels before encoding (GIFs of full-resolution frames run to hundreds of MB); ``None``
+            keeps their size.
     """
 
     def __init__(
@@ -55,12 +75,20 @@ class SampleImageLogger(Callback):
         max_images: int = 8,
         log_validation: bool = True,
         log_table: bool = True,
+        fps: float = 16.0,
+        video_max_side: int | None = 256,
     ) -> None:
         super().__init__()
         if every_n_steps < 0:
             raise ValueError(f"every_n_steps ({every_n_steps}) must be >= 0 (0 turns training samples off)")
         if max_images < 1:
             raise ValueError(f"max_images ({max_images}) must be at least 1")
+        if not fps > 0:
+            raise ValueError(f"fps ({fps}) must be positive")
+        if video_max_side is not None and video_max_side < 8:
+            raise ValueError(f"video_max_side ({video_max_side}) must be at least 8 pixels, or None")
+        self.fps = fps
+        self.video_max_side = video_max_side
         self.every_n_steps = every_n_steps
         self.max_images = max_images
         self.log_validation = log_validation
@@ -83,7 +111,7 @@ class SampleImageLogger(Callback):
         samples.add(
             out["images"], out.get("prompts"), {} if rewards is None else {"reward": rewards}, self.max_images
         )
-        self.log_images(trainer, "train/samples", samples.stacked(), samples.captions(), step)
+        self._log_pixels(trainer, "train/samples", samples.stacked(), samples.captions(), step)
 
     @override
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -113,9 +141,9 @@ class SampleImageLogger(Callback):
         if not len(samples):
             return
         step = rollout_step(trainer)
-        self.log_images(trainer, "val/samples", samples.stacked(), samples.captions(), step)
+        self._log_pixels(trainer, "val/samples", samples.stacked(), samples.captions(), step)
         if self.log_table:
-            self.log_samples_table(
+            self._log_table(
                 trainer, "val/samples_table", samples.stacked(), samples.prompts, samples.rewards, step
             )
 
@@ -127,9 +155,25 @@ class SampleImageLogger(Callback):
         """Write (B, 3, H, W) images in [0, 1] with one caption each to every logger of ``trainer``."""
         if images.ndim != 4 or images.shape[1] != 3:
             raise ValueError(f"images must be (B, 3, H, W) in [0, 1]; got shape {tuple(images.shape)}")
-        if len(captions) != len(images):
-            raise ValueError(f"{len(captions)} captions for {len(images)} images: give one caption per image")
-        pixels = _to_uint8(images)  # (B, 3, H, W) uint8, host
+        self._log_pixels(trainer, key, _to_uint8(images), captions, step)
+
+    def log_videos(
+        self, trainer: Trainer, key: str, videos: Tensor, captions: Sequence[str], step: int
+    ) -> None:
+        """Write (B, F, 3, H, W) videos in [0, 1] with one caption each to every logger of ``trainer``."""
+        if videos.ndim != 5 or videos.shape[2] != 3:
+            raise ValueError(f"videos must be (B, F, 3, H, W) in [0, 1]; got shape {tuple(videos.shape)}")
+        self._log_pixels(trainer, key, _to_uint8(videos), captions, step)
+
+    def _log_pixels(
+        self, trainer: Trainer, key: str, pixels: Tensor, captions: Sequence[str], step: int
+    ) -> None:
+        """(B, 3, H, W) images or (B, F, 3, H, W) videos, uint8 on the host, to every logger."""
+        if len(captions) != len(pixels):
+            raise ValueError(f"{len(captions)} captions for {len(pixels)} images: give one caption per image")
+        if pixels.ndim == 5:
+            self._log_video_pixels(trainer, key, pixels, captions, step)
+            return
         if not trainer.loggers:
             _write_png(trainer.default_root_dir, key, pixels, captions, step)
         for logger in trainer.loggers:
@@ -143,6 +187,30 @@ class SampleImageLogger(Callback):
             else:
                 _write_png(_log_dir(trainer, logger), key, pixels, captions, step)
 
+    def _log_video_pixels(
+        self, trainer: Trainer, key: str, pixels: Tensor, captions: Sequence[str], step: int
+    ) -> None:
+        pixels = downscale(pixels, self.video_max_side)  # (B, F, 3, h, w) uint8, host
+        if not trainer.loggers:
+            _write_gif(trainer.default_root_dir, key, pixels, captions, step, self.fps)
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                gifs = [io.BytesIO(gif_bytes(frames_of(video), self.fps)) for video in pixels]
+                logger.log_video(
+                    key=key, videos=gifs, step=step, caption=list(captions), format=["gif"] * len(gifs)
+                )
+            elif isinstance(logger, TensorBoardLogger):
+                grid = video_grid(pixels)  # (F, 3, H', W')
+                gif = gif_bytes(frames_of(grid), self.fps)
+                summary = tensorboard_gif_summary(key, gif, height=grid.shape[2], width=grid.shape[3])
+                # the summary add_video writes, through the writer's public file_writer: add_video
+                # itself encodes with moviepy, which this project does not depend on
+                logger.experiment.file_writer.add_summary(summary, step)
+                text = "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions))
+                logger.experiment.add_text(f"{key}/captions", text, global_step=step)
+            else:
+                _write_gif(_log_dir(trainer, logger), key, pixels, captions, step, self.fps)
+
     def log_samples_table(
         self,
         trainer: Trainer,
@@ -155,7 +223,7 @@ class SampleImageLogger(Callback):
         """Write one row per sample (image, prompt, each reward component) to every logger of ``trainer``.
 
         Args:
-            images: (B, 3, H, W) in [0, 1].
+            images: (B, 3, H, W) images or (B, F, 3, H, W) videos, in [0, 1].
             prompts: B prompts.
             rewards: ``{component: B values}``; NaN where a sample was not scored.
         """
@@ -164,22 +232,38 @@ class SampleImageLogger(Callback):
                 f"a table of {len(images)} images needs {len(images)} prompts and {len(images)} values per "
                 f"reward component; got {len(prompts)} prompts and { ({k: len(v) for k, v in rewards.items()}) }"
             )
+        self._log_table(trainer, key, _to_uint8(images), prompts, rewards, step)
+
+    def _log_table(
+        self,
+        trainer: Trainer,
+        key: str,
+        pixels: Tensor,
+        prompts: Sequence[str],
+        rewards: Mapping[str, Sequence[float]],
+        step: int,
+    ) -> None:
+        """:meth:`log_samples_table` of images or videos already uint8 on the host."""
         columns = ["prompt", *rewards]
-        rows = [[prompts[i], *(float(v[i]) for v in rewards.values())] for i in range(len(images))]
-        pixels = _to_uint8(images)
+        rows = [[prompts[i], *(float(v[i]) for v in rewards.values())] for i in range(len(pixels))]
+        if pixels.ndim == 5:
+            pixels = downscale(pixels, self.video_max_side)
         if not trainer.loggers:
             _write_table(trainer.default_root_dir, key, columns, rows, step)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 import wandb
 
-                data = [
-                    [wandb.Image(img.permute(1, 2, 0).numpy()), *row]
-                    for img, row in zip(pixels, rows, strict=True)
-                ]
-                logger.log_table(key=key, columns=["image", *columns], data=data, step=step)
+                media = (
+                    [wandb.Video(io.BytesIO(gif_bytes(frames_of(v), self.fps)), format="gif") for v in pixels]
+                    if pixels.ndim == 5
+                    else [wandb.Image(img.permute(1, 2, 0).numpy()) for img in pixels]
+                )
+                data = [[m, *row] for m, row in zip(media, rows, strict=True)]
+                column = "video" if pixels.ndim == 5 else "image"
+                logger.log_table(key=key, columns=[column, *columns], data=data, step=step)
             elif isinstance(logger, TensorBoardLogger):
-                # the images are the same-step `val/samples` (one per row, in order); TensorBoard's text
+                # the samples are the same-step `val/samples` (one per row, in order); TensorBoard's text
                 # plugin renders markdown tables
                 logger.experiment.add_text(key, _markdown_table(["#", *columns], rows), global_step=step)
             else:
@@ -210,7 +294,7 @@ class _Samples:
     """Samples gathered for one grid, on the host: only those that will be logged are copied."""
 
     def __init__(self) -> None:
-        self.images: list[Tensor] = []  # (3, H, W) float, host
+        self.images: list[Tensor] = []  # (3, H, W) or (F, 3, H, W) uint8, host
         self.prompts: list[str] = []
         self.rewards: dict[str, list[float]] = {}
 
@@ -221,7 +305,7 @@ class _Samples:
         self, images: Tensor, prompts: Sequence[str] | None, rewards: Mapping[str, Tensor], limit: int
     ) -> None:
         n = min(limit, len(images))
-        self.images.extend(images[:n].detach().float().cpu())
+        self.images.extend(_to_uint8(images[:n]))  # rounded where the images are: a quarter of the copy
         self.prompts.extend(list(prompts)[:n] if prompts is not None else [""] * n)
         for name, values in rewards.items():
             self.rewards.setdefault(name, []).extend(
@@ -246,7 +330,7 @@ def _caption(prompt: str, rewards: Mapping[str, float]) -> str:
 
 
 def _to_uint8(images: Tensor) -> Tensor:
-    """(B, 3, H, W) floats in [0, 1] -> uint8 on the host, rounded."""
+    """Floats in [0, 1], any shape -> uint8 on the host, rounded."""
     return (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
 
 
@@ -315,6 +399,14 @@ def _caption_lines(caption: str, width: int, max_prompt_lines: int = 4) -> list[
     if len(wrapped) > max_prompt_lines:
         wrapped = [*wrapped[: max_prompt_lines - 1], wrapped[max_prompt_lines - 1][: width - 3] + "..."]
     return [*wrapped, *rewards]
+
+
+def _write_gif(root: str, key: str, pixels: Tensor, captions: Sequence[str], step: int, fps: float) -> None:
+    stem = _stem(root, key, step)
+    with open(stem + ".gif", "wb") as f:
+        f.write(gif_bytes(captioned_video(pixels, captions), fps))
+    with open(stem + ".json", "w") as f:
+        json.dump({"step": step, "fps": fps, "captions": list(captions)}, f, indent=1)
 
 
 def _write_table(root: str, key: str, columns: list[str], rows: list[list[Any]], step: int) -> None:

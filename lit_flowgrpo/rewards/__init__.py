@@ -3,27 +3,34 @@
 Importing this package registers every built-in family. Optional dependencies (the OCR engine,
 the hub client) are imported when a reward is built or first used, never here, so a missing one
 only fails the reward that needs it. Plugins register their own rewards when imported: the toy
-world's ``shapes`` reward comes with ``import lit_flowgrpo.toy``.
+world's ``shapes`` and ``shapes_video`` rewards come with ``import lit_flowgrpo.toy``.
 """
 
-from lit_flowgrpo.rewards import aesthetic, clip_score, geneval, jpeg, ocr, pickscore, vlm_judge
+from lit_flowgrpo.rewards import aesthetic, clip_score, geneval, jpeg, ocr, pickscore, video, vlm_judge
 from lit_flowgrpo.rewards.base import (
+    DEFAULT_MODALITIES,
     MultiReward,
     Reward,
     RewardOutput,
     as_reward,
     available_rewards,
     build_reward,
+    modality_problems,
     register_reward,
+    reward_modalities,
 )
 from lit_flowgrpo.rewards.remote import RemoteEndpoint, RemoteRewardError
+from lit_flowgrpo.rewards.video import PerFrame, TemporalConsistencyReward
 
 __all__ = [
+    "DEFAULT_MODALITIES",
     "MultiReward",
+    "PerFrame",
     "RemoteEndpoint",
     "RemoteRewardError",
     "Reward",
     "RewardOutput",
+    "TemporalConsistencyReward",
     "aesthetic",
     "as_reward",
     "available_rewards",
@@ -31,8 +38,11 @@ __all__ = [
     "clip_score",
     "geneval",
     "jpeg",
+    "modality_problems",
     "ocr",
     "pickscore",
     "register_reward",
+    "reward_modalities",
+    "video",
     "vlm_judge",
 ]

@@ -1,7 +1,8 @@
 """Reward contract, the registry by name, and the weighted sum.
 
 A reward is any callable ``(images (B,3,H,W) in [0,1], prompts, metadata) -> Tensor (B,)`` or a
-dict of named (B,) components. A sample the reward could not score is NaN in every component: it
+dict of named (B,) components. A video-capable reward takes ``(B, F, 3, H, W)`` videos in [0, 1] the
+same way, one value per video. A sample the reward could not score is NaN in every component: it
 is never turned into a number here, and the module drops it from the advantage computation.
 
 A reward is a per-sample function: a sample's value depends on its own image, prompt and metadata,
@@ -13,6 +14,9 @@ give up on one sample is NaN.
 
 Optional attributes a reward may carry:
 
+- ``modalities``: a ``frozenset`` of what it can score, ``"image"`` and/or ``"video"``; without it
+  ``{"image"}`` (:data:`DEFAULT_MODALITIES`, read through :func:`reward_modalities`). An image reward
+  scores a video frame by frame when wrapped in :class:`lit_flowgrpo.rewards.video.PerFrame`;
 - ``primary``: for a dict-valued reward, the component that a bare weight applies to;
 - ``core_components``: a tuple of the components that measure accuracy (the fraction of prompts
   done right: GenEval's ``strict``, OCR's text accuracy), whose validation mean is logged under
@@ -50,6 +54,12 @@ from lit_flowgrpo.errors import SettingsError, flag
 
 RewardValue = Tensor | dict[str, Tensor]
 
+MODALITIES = frozenset({"image", "video"})
+"""What a reward may declare it scores: images ``(B, 3, H, W)``, videos ``(B, F, 3, H, W)``."""
+
+DEFAULT_MODALITIES = frozenset({"image"})
+"""The modalities of a reward that declares none: every reward written before video scores images."""
+
 
 @runtime_checkable
 class Reward(Protocol):
@@ -63,6 +73,10 @@ _REGISTRY: dict[str, Callable[..., Reward]] = {}
 _PLUGIN_REWARDS = {
     "shapes": (
         "the toy world's reward, registered by `import lit_flowgrpo.toy` (a config does that by naming "
+        "one of its classes, e.g. --model.init_args.policy.class_path lit_flowgrpo.toy.ToyPolicy)"
+    ),
+    "shapes_video": (
+        "the toy world's video reward, registered by `import lit_flowgrpo.toy` (a config does that by naming "
         "one of its classes, e.g. --model.init_args.policy.class_path lit_flowgrpo.toy.ToyPolicy)"
     ),
     "shapes_color": (
@@ -175,6 +189,51 @@ class Scored(NamedTuple):
 def thread_safe(reward: Any) -> bool:
     """Whether ``reward`` may run in a worker thread (its ``thread_safe`` attribute; default yes)."""
     return bool(getattr(reward, "thread_safe", True))
+
+
+def reward_modalities(reward: Any) -> frozenset[str]:
+    """What ``reward`` can score: its ``modalities`` attribute, :data:`DEFAULT_MODALITIES` without one.
+
+    Raises:
+        TypeError: naming the reward, when the declaration is not a set of names from
+            :data:`MODALITIES` (a bare string would otherwise read as a set of letters).
+    """
+    declared = getattr(reward, "modalities", DEFAULT_MODALITIES)
+    if (
+        not isinstance(declared, set | frozenset)
+        or not declared
+        or not all(isinstance(m, str) and m in MODALITIES for m in declared)
+    ):
+        raise TypeError(
+            f"reward {_qualname(reward)}.modalities is {declared!r}: declare a non-empty frozenset of "
+            f"{sorted(MODALITIES)}, e.g. frozenset({{'image', 'video'}})"
+        )
+    return frozenset(declared)
+
+
+def modality_problems(rewards: Mapping[str, Any], modality: str) -> list[str]:
+    """One message per reward of ``rewards`` (``{name: reward}``) that cannot score ``modality``.
+
+    For a video policy, each message names the wrapper that scores an image reward frame by frame.
+    """
+    if modality not in MODALITIES:
+        raise ValueError(f"modality {modality!r} must be one of {sorted(MODALITIES)}")
+    out = []
+    for name, reward in rewards.items():
+        declared = reward_modalities(reward)
+        if modality in declared:
+            continue
+        if modality == "video" and "image" in declared:
+            fix = (
+                "wrap it to score each frame and reduce per video: lit_flowgrpo.rewards.video.PerFrame "
+                f"(in YAML: weights {{per_frame: w}}, config {{per_frame: {{reward: {name}}}}})"
+            )
+        else:
+            fix = f"use a reward that declares {modality!r} in its modalities"
+        out.append(
+            f"reward {name!r} ({_qualname(reward)}) scores {sorted(declared)} only, not {modality}s: {fix}"
+        )
+    return out
 
 
 class MultiReward:
@@ -296,6 +355,11 @@ class MultiReward:
         return {n: tuple(getattr(r, "required_metadata", ())) for n, r in self.rewards.items()}
 
     @property
+    def modalities(self) -> frozenset[str]:
+        """What every reward of the sum can score (the intersection of their ``modalities``)."""
+        return frozenset.intersection(*(reward_modalities(r) for r in self.rewards.values()))
+
+    @property
     def core_components(self) -> frozenset[str]:
         """The keys of :attr:`RewardOutput.components` that measure accuracy, as each reward declares
         them in its ``core_components`` (a reward that declares none has no core component).
@@ -349,6 +413,10 @@ class MultiReward:
         batch = images.shape[0]
         prompts, metadata = list(prompts), list(metadata)
         chosen = [(n, r) for n, r in self.rewards.items() if names is None or n in names]
+        # An image reward given videos would fail deep inside its model, or read frames as channels.
+        problems = modality_problems(dict(chosen), "video" if images.ndim == 5 else "image")
+        if problems:
+            raise ValueError("; ".join(problems))
 
         def run(name: str, reward: Reward) -> Scored:
             start = time.perf_counter()

@@ -1,6 +1,6 @@
-"""Image conversions shared by the reward families.
+"""Image and video conversions shared by the reward families.
 
-Rewards receive ``(B, 3, H, W)`` float images in [0, 1]. Scorers want uint8 pixels (PIL images,
+Rewards receive ``(B, 3, H, W)`` float images in [0, 1], and video rewards ``(B, F, 3, H, W)`` videos. Scorers want uint8 pixels (PIL images,
 numpy arrays) or encoded bytes (PNG/JPEG for HTTP). Quantisation is ``round(x·255)`` as in the
 flow_grpo reward functions (``(images * 255).round().clamp(0, 255)``, flow_grpo/rewards.py).
 """
@@ -24,6 +24,34 @@ def check_images(images: Tensor) -> None:
     if not isinstance(images, Tensor) or images.ndim != 4 or images.shape[1] != 3:
         shape = tuple(images.shape) if isinstance(images, Tensor) else type(images).__name__
         raise ValueError(f"rewards take images as a (B, 3, H, W) tensor in [0, 1]; got {shape}")
+
+
+def check_videos(videos: Tensor, label: str = "video rewards") -> None:
+    """Raise a ``ValueError`` naming ``label`` unless ``videos`` is a (B, F, 3, H, W) tensor with F >= 1."""
+    if not isinstance(videos, Tensor) or videos.ndim != 5 or videos.shape[2] != 3 or videos.shape[1] < 1:
+        shape = tuple(videos.shape) if isinstance(videos, Tensor) else type(videos).__name__
+        hint = (
+            " (that is a batch of images: score images with an image reward)"
+            if (isinstance(videos, Tensor) and videos.ndim == 4)
+            else ""
+        )
+        raise ValueError(f"{label} take videos as a (B, F, 3, H, W) tensor in [0, 1]; got {shape}{hint}")
+
+
+def frame_indices(frames: int, max_frames: int | None) -> list[int]:
+    """``max_frames`` indices of ``frames``, evenly spaced, first and last included; all when ``None``.
+
+    >>> frame_indices(81, 5)
+    [0, 20, 40, 60, 80]
+    >>> frame_indices(3, 8)
+    [0, 1, 2]
+    """
+    if max_frames is None or frames <= max_frames:
+        return list(range(frames))
+    if max_frames == 1:
+        return [0]
+    # (F-1)·k/(n-1) for k = 0..n-1 (numpy.linspace's spacing), rounded half up to whole frames
+    return [int((frames - 1) * k / (max_frames - 1) + 0.5) for k in range(max_frames)]
 
 
 def to_uint8(images: Tensor) -> Tensor:

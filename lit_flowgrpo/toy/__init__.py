@@ -2,11 +2,14 @@
 verifier (``verifier``) behind the ``shapes`` reward (``reward``), the tiny model that learns to draw
 it (``model``, ``pretrain``) and its policy (``policy``).
 
-Importing this package registers the ``shapes`` reward and its gameable proxy ``shapes_color``; the
-core (``lit_flowgrpo.policies``, ``lit_flowgrpo.rewards``, the module) imports nothing from it.
+Video prompts (``video_world``) and their verifier (``video_verifier``) are behind ``shapes_video``.
+
+Importing this package registers the ``shapes`` reward, its gameable proxy ``shapes_color`` and the
+video reward ``shapes_video``; the core (``lit_flowgrpo.policies``, ``lit_flowgrpo.rewards``, the
+module) imports nothing from it.
 """
 
 from lit_flowgrpo.toy.policy import ToyPolicy
-from lit_flowgrpo.toy.reward import ColorCoverageReward, ShapesReward
+from lit_flowgrpo.toy.reward import ColorCoverageReward, ShapesReward, ShapesVideoReward
 
-__all__ = ["ColorCoverageReward", "ShapesReward", "ToyPolicy"]
+__all__ = ["ColorCoverageReward", "ShapesReward", "ShapesVideoReward", "ToyPolicy"]

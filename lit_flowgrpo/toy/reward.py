@@ -15,6 +15,10 @@ nothing) and parts from it as it is pushed: bigger objects, extra copies and a c
 colour all raise it while they break the counts, shapes and places ``strict`` checks. Trained on it
 with ``strict`` logged beside it (``configs/hacking_proxy.yaml``), the shapes world shows reward
 hacking in numbers: the proxy against the gold score it stood for.
+
+``shapes_video`` (:class:`ShapesVideoReward`) is the gold score of the world's video prompts ("a red
+circle moving left to right"): the named object in every frame, moving the named way
+(``lit_flowgrpo.toy.video_verifier`` has the rules). It scores videos only (``modalities``).
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ import torch
 from torch import Tensor
 
 from lit_flowgrpo.rewards.base import register_reward
-from lit_flowgrpo.rewards.images import check_images, to_numpy_hwc
+from lit_flowgrpo.rewards.images import check_images, check_videos, to_numpy_hwc
 from lit_flowgrpo.toy.verifier import ShapeVerifier, check_record
+from lit_flowgrpo.toy.video_verifier import VideoVerifier, check_video_record
+from lit_flowgrpo.toy.video_world import VIDEO_VOCAB, unknown_video_words
 from lit_flowgrpo.toy.world import COLORS, VOCAB, unknown_words
 
 
@@ -185,3 +191,103 @@ class ColorCoverageReward:
         pixels = to_numpy_hwc(torch.nan_to_num(images.detach(), nan=0.0))  # (B, H, W, 3) uint8
         score = np.minimum(self.coverage(pixels, metadata) / self.saturation, 1.0)
         return torch.where(finite, torch.from_numpy(score).float(), torch.tensor(float("nan")))
+
+
+_VIDEO_FLAG = "--model.init_args.reward.init_args.config.shapes_video"
+
+
+@register_reward("shapes_video")
+class ShapesVideoReward:
+    """Score toy-world videos against their video records (``lit_flowgrpo.toy.video_world``).
+
+    Components: ``strict`` (0/1: the named object alone in every frame, moving the named way far
+    enough, steadily and straight) and ``partial`` (the fraction of frames it is right in, plus the
+    three motion conditions, over 4). ``strict`` is primary and core.
+
+    Args:
+        min_travel: the least travel along the named direction, as a fraction of the frame side.
+        tolerance: the largest step back against the direction, in pixels of a 32 px frame.
+        max_cross_ratio: the largest drift across the axis, as a fraction of the travel.
+        brightness: a pixel is foreground when its brightest channel reaches this (0–1).
+        chroma_tolerance: largest chromaticity distance from a palette colour still read as it.
+        min_area: smallest object, in pixels of a 32×32 frame (scaled with the frame area).
+    """
+
+    modalities = frozenset({"video"})
+    primary = "strict"
+    core_components: tuple[str | None, ...] = ("strict",)
+    required_metadata: tuple[str, ...] = ("tag", "include")
+
+    def __init__(
+        self,
+        min_travel: float = 0.25,
+        tolerance: float = 1.0,
+        max_cross_ratio: float = 0.5,
+        brightness: float = 0.35,
+        chroma_tolerance: float = 0.45,
+        min_area: float = 8.0,
+    ) -> None:
+        problems = []
+        if not 0 < min_travel <= 1:
+            problems.append(
+                f"{_VIDEO_FLAG}.min_travel ({min_travel}) must be in (0, 1]: a fraction of the frame side"
+            )
+        if tolerance < 0:
+            problems.append(f"{_VIDEO_FLAG}.tolerance ({tolerance}) must be 0 or more pixels")
+        if max_cross_ratio < 0:
+            problems.append(f"{_VIDEO_FLAG}.max_cross_ratio ({max_cross_ratio}) must be 0 or more")
+        if not 0 < brightness < 1:
+            problems.append(f"{_VIDEO_FLAG}.brightness ({brightness}) must be in (0, 1)")
+        if chroma_tolerance <= 0:
+            problems.append(f"{_VIDEO_FLAG}.chroma_tolerance ({chroma_tolerance}) must be positive")
+        if min_area < 1:
+            problems.append(f"{_VIDEO_FLAG}.min_area ({min_area}) must be at least 1 pixel")
+        if problems:
+            raise ValueError("invalid shapes_video reward settings:\n  " + "\n  ".join(problems))
+        frame = ShapeVerifier(brightness=brightness, chroma_tolerance=chroma_tolerance, min_area=min_area)
+        self.verifier = VideoVerifier(
+            frame=frame, min_travel=min_travel, tolerance=tolerance, max_cross_ratio=max_cross_ratio
+        )
+
+    def problems(self, records: Sequence[Mapping]) -> list[str]:
+        """Every prompt record this reward cannot score (:func:`video_record_problems`)."""
+        return video_record_problems(records)
+
+    def __call__(self, videos: Tensor, prompts: list[str], metadata: list[dict]) -> dict[str, Tensor]:
+        """``{"strict": (B,), "partial": (B,)}`` fp32; NaN for a video with non-finite pixels."""
+        check_videos(videos, f"reward 'shapes_video' ({_VIDEO_FLAG}; images: the 'shapes' reward)")
+        batch, frames, _, height, width = videos.shape
+        if len(metadata) != batch:
+            raise ValueError(
+                f"reward 'shapes_video' got {batch} videos but {len(metadata)} metadata records: give one "
+                "record per video (lit_flowgrpo.toy.video_world.video_records)"
+            )
+        finite = torch.isfinite(videos.detach()).flatten(1).all(dim=1).cpu()  # (B,) bool
+        frames_hwc = to_numpy_hwc(torch.nan_to_num(videos.detach().flatten(0, 1), nan=0.0))  # (B·F, H, W, 3)
+        strict, partial = self.verifier.score_batch(
+            frames_hwc.reshape(batch, frames, height, width, 3), list(metadata)
+        )
+        nan = torch.tensor(float("nan"))
+        return {
+            "strict": torch.where(finite, torch.from_numpy(strict).float(), nan),
+            "partial": torch.where(finite, torch.from_numpy(partial).float(), nan),
+        }
+
+
+def video_record_problems(records: Sequence[Mapping]) -> list[str]:
+    """Every video prompt record the ``shapes_video`` reward cannot score, each named by its index."""
+    out = []
+    for i, record in enumerate(records):
+        found = []
+        unknown = unknown_video_words(str(record.get("prompt", "")))
+        if unknown:
+            found.append(f"words outside the toy world's video vocabulary {unknown}")
+        try:
+            check_video_record(dict(record))
+        except ValueError as err:
+            found.append(str(err))
+        if found:
+            out.append(f"prompt record {i} ({record.get('prompt')!r}): " + "; ".join(found))
+    if any("vocabulary" in p for p in out):
+        out.append(f"the toy world's video vocabulary is {list(VIDEO_VOCAB)}")
+    return out
