@@ -115,6 +115,9 @@ PLANS["hacking"] = {
 OBJ = "--model.init_args.objective.init_args."
 MEASURE_KL = ["--model.init_args.diagnostics.reference_kl=true", "--model.init_args.reference_copy=true"]
 PLAIN_KL = ["--model.init_args.reference_copy=true"]
+JUDGED = '--model.init_args.reward.init_args.weights={"shapes_color": 1.0, "shapes/partial": 0.0, "shapes/strict": 0.0}'
+GATE = '--model.init_args.advantage.kl_gate={"proxy": "shapes_color", "auxiliary": ["shapes/partial"]}'
+BONUS = '--model.init_args.advantage.diversity_bonus={"pool": 8, "distance": "cosine"}'
 PLANS["gardo_sweep"] = {
     "flow_grpo_proxy_klmeasured": ("configs/hacking_proxy.yaml", MEASURE_KL),
     **{
@@ -123,23 +126,17 @@ PLANS["gardo_sweep"] = {
     },
     **{f"gardo_b{b}": ("configs/hacking_gardo.yaml", [OBJ + f"kl_coef={b}"]) for b in ("0.4", "4", "40")},
     "gardo_b4_initial_ref": (
-        "configs/hacking_gardo.yaml",
-        [
-            OBJ + "kl_coef=4",
-            "--model.init_args.reference.mode=initial",
-            "--model.init_args.reference.refresh_every=null",
-        ],
+        "configs/hacking_proxy.yaml",
+        [*PLAIN_KL, OBJ + "kl_coef=4", JUDGED, GATE, BONUS],
     ),
-    "diversity_bonus_only": (
-        "configs/hacking_gardo.yaml",
-        [
-            OBJ + "kl_coef=0",
-            "--model.init_args.advantage.kl_gate=null",
-            "--model.init_args.reference.mode=initial",
-            "--model.init_args.reference.refresh_every=null",
-        ],
-    ),
+    "diversity_bonus_only": ("configs/hacking_proxy.yaml", [BONUS]),
 }
+# The sweep's picks on 3 seeds: the plain KL and GARDO at the β that kept gold, GARDO without its refresh,
+# and GARDO at a weaker β (Flow-GRPO itself: the sweep's flow_grpo_proxy_klmeasured, 3 seeds).
+PLANS["gardo"] = {
+    label: PLANS["gardo_sweep"][label] for label in ("kl0.4_proxy", "gardo_b4", "gardo_b4_initial_ref")
+}
+PLANS["gardo"]["gardo_b1"] = ("configs/hacking_gardo.yaml", [OBJ + "kl_coef=1"])
 #: validation and rollout keys besides the held-out one, kept per rollout when a run logs them
 EXTRA_KEYS = (
     "val-aux/shapes_color/mean@1",
