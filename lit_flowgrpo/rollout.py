@@ -138,8 +138,11 @@ class Sampler:
         """The policy's objections to the rollout and validation sizes, frames included (before any
         weight is read)."""
         p = policy.image_size_problems(self.height, self.width)
-        if isinstance(self.frames, int) and self.frames >= 1:
-            p += policy.frame_problems(self.frames, f"{flag}.frames")
+        check = getattr(policy, "frame_problems", None)  # a duck-typed image policy may lack it
+        if check is not None and isinstance(self.frames, int) and self.frames >= 1:
+            p += check(self.frames, f"{flag}.frames")
+        elif check is None and self.frames != 1:
+            p.append(f"{flag}.frames ({self.frames}) must be 1 for {type(policy).__name__}, an image model")
         flags = (f"{flag}.eval_height", f"{flag}.eval_width")
         own = tuple(
             f for f, v in zip(flags, (self.eval_height, self.eval_width), strict=True) if v is not None
