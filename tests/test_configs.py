@@ -469,3 +469,63 @@ def test_recipe_runs_one_rollout_on_cpu(
     assert grids, f"no sample grid under {tmp_path}: {[p.name for p in tmp_path.rglob('*')]}"
     captions = list(tmp_path.rglob("train*_step*.json"))
     assert captions and len(json.loads(captions[0].read_text())["captions"]) == 4
+
+
+def test_tiny_a14b_recipe_exports_both_experts_and_resumes(
+    tiny_wan_a14b_path: str, prompt_file: str, tmp_path: Path
+) -> None:
+    """The A14B recipe end to end on the two-expert tiny: fit (rollout, reward, update, checkpoint), export
+    (one adapter per expert, each loaded back by WanPipeline into its own transformer), then resume."""
+    from diffusers import WanPipeline
+    from safetensors.torch import load_file
+
+    from lit_flowgrpo.cli import main
+
+    cfg = _tiny_run_config(
+        _load(CONFIG_DIR / "wan22_a14b_flowgrpo.yaml"), tiny_wan_a14b_path, prompt_file, tmp_path
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cli = FlowGRPOCLI(args=["fit", "--config", str(path)])
+    module = cli.model
+    high, _ = module.policy.trainable_networks
+    state = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    saved = set(state["state_dict"])
+    assert any(k.startswith("policy._transformer.") for k in saved)
+    assert any(k.startswith("policy._transformer_2.") for k in saved)
+    assert cli.trainer.global_step == 2
+
+    out = tmp_path / "lora"
+    main(
+        [
+            "export",
+            "--config",
+            str(path),
+            "--ckpt_path",
+            str(tmp_path / "checkpoints" / "last.ckpt"),
+            "--out",
+            str(out),
+        ]
+    )
+    first = load_file(out / "pytorch_lora_weights.safetensors")
+    second = load_file(out / "transformer_2" / "pytorch_lora_weights.safetensors")
+    assert len(first) == len(second) == sum(1 for n, p in high.named_parameters() if p.requires_grad)
+    pipe = WanPipeline.from_pretrained(tiny_wan_a14b_path)
+    pipe.load_lora_weights(str(out), adapter_name="high")
+    pipe.load_lora_weights(str(out / "transformer_2"), adapter_name="low", load_into_transformer_2=True)
+    loaded_high = {n for n, _ in pipe.transformer.named_parameters() if "lora_" in n}
+    loaded_low = {n for n, _ in pipe.transformer_2.named_parameters() if "lora_" in n}
+    assert len(loaded_high) == len(loaded_low) == len(first)
+
+    # Resume: the checkpoint's adapters (both experts) and step, one more rollout.
+    resumed = FlowGRPOCLI(
+        args=[
+            "fit",
+            "--config",
+            str(path),
+            "--trainer.max_steps=4",
+            f"--ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}",
+        ]
+    )
+    assert resumed.trainer.global_step == 4
+    assert math.isfinite(float(resumed.trainer.logged_metrics["actor/loss"]))

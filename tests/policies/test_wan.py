@@ -247,3 +247,49 @@ def test_flops_forward_runs_the_first_expert(tiny_wan_paths: dict) -> None:
     assert fwd_bwd > fwd > one_frame > 0
     # The count's backward left no gradient on either expert.
     assert all(p.grad is None for n in policy.trainable_networks for p in n.parameters())
+
+
+def test_old_policy_keeps_and_restores_both_experts(tiny_wan_paths: dict) -> None:
+    """DiffusionNFT's old policy over two experts: stored, swapped in and back, averaged, checkpointed."""
+    policy = _load(tiny_wan_paths["a14b"])
+    weights = TrainableWeights(LoraSettings(rank=4), old_policy=True)
+    weights.attach(policy)
+    old = weights.old_state_dict(policy)
+    assert any(k.startswith("network1.") for k in old) and any(not k.startswith("network1.") for k in old)
+    trained = [p for n in policy.trainable_networks for p in n.parameters() if p.requires_grad]
+    with torch.no_grad():
+        for p in trained:
+            p.add_(1.0)
+    now = [p.detach().clone() for p in trained]
+    with weights.old(policy):
+        inside = [p.detach().clone() for p in trained]
+    assert all(
+        torch.allclose(a, b - 1.0, atol=1e-6) for a, b in zip(inside, now, strict=True)
+    )  # the old values, both experts
+    assert all(torch.equal(p, b) for p, b in zip(trained, now, strict=True))  # and back
+    weights.update_old(policy, decay=0.5)
+    assert all(torch.allclose(weights.old_state_dict(policy)[k], v + 0.5) for k, v in old.items())
+
+
+def test_a_reward_that_cannot_score_video_is_refused(tiny_wan_paths: dict) -> None:
+    from lit_flowgrpo.errors import SettingsError
+    from lit_flowgrpo.module import FlowGRPOModule
+    from lit_flowgrpo.policies.base import reward_modality_problems
+    from lit_flowgrpo.rewards.base import MultiReward
+
+    policy = WanPolicy(tiny_wan_paths["2.1"])
+    sampler = Sampler(height=32, width=32, frames=5, num_steps=2)
+    with pytest.raises(SettingsError) as err:
+        FlowGRPOModule(policy, {"jpeg_compressibility": 1.0}, sampler=sampler)
+    message = str(err.value)
+    assert "'jpeg_compressibility'" in message and "lit_flowgrpo.rewards.video.PerFrame" in message
+
+    class Both:
+        modalities = frozenset({"image", "video"})
+
+        def __call__(self, images, prompts, metadata):
+            return images.flatten(1).mean(1)
+
+    assert reward_modality_problems(policy, MultiReward({"r": 1.0}, rewards={"r": Both()})) == []
+    assert reward_modality_problems(policy, Both()) == []
+    FlowGRPOModule(policy, Both(), sampler=sampler)  # a plain callable that declares video
