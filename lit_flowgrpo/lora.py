@@ -23,6 +23,11 @@ from lit_flowgrpo.policies.base import FlowPolicy
 
 __all__ = ["LoraSettings", "TrainableWeights"]
 
+_FULL_FINE_TUNE_OF_SEVERAL = (
+    "--model.init_args.lora=null (a full fine-tune) with a policy that trains {networks} networks (Wan 2.2 "
+    "A14B's experts): only LoRA is supported there; set --model.init_args.lora"
+)
+
 
 @dataclass
 class LoraSettings:
@@ -88,8 +93,12 @@ class TrainableWeights:
         self._old_state: dict[str, Tensor] | None = None
         self._old_network: nn.Module | None = None
 
-    def problems(self, uses_reference: bool) -> list[str]:
+    def problems(self, uses_reference: bool, networks: int = 1) -> list[str]:
+        """Every problem with these settings; ``networks``: the trainable networks the policy declares
+        before loading (Wan 2.2 A14B: 2)."""
         p = [] if self.lora is None else self.lora.problems()
+        if self.lora is None and networks > 1:
+            p.append(_FULL_FINE_TUNE_OF_SEVERAL.format(networks=networks))
         if self.lora is None and uses_reference and not self.reference_copy:
             p.append(
                 "--model.init_args.objective.init_args.kl_coef > 0 with a full fine-tune (--model.init_args.lora=null) needs "
@@ -108,10 +117,7 @@ class TrainableWeights:
         if self.lora is None and len(networks) > 1:
             from lit_flowgrpo.errors import SettingsError
 
-            raise SettingsError(
-                f"--model.init_args.lora=null (a full fine-tune) with {type(policy).__name__}, which trains "
-                f"{len(networks)} networks: only LoRA is supported there; set --model.init_args.lora"
-            )
+            raise SettingsError(_FULL_FINE_TUNE_OF_SEVERAL.format(networks=len(networks)))
         transformer = policy.transformer
         if self.lora is None:
             transformer.requires_grad_(True)

@@ -148,7 +148,9 @@ class FlowGRPOModule(L.LightningModule):
         )
         p += self.objective.problems(self.sampler.sde_type)
         p += self.objective.sampler_problems(self.sampler)
-        p += self.weights.problems(self.objective.uses_reference)
+        p += self.weights.problems(
+            self.objective.uses_reference, getattr(self.policy, "declared_networks", 1)
+        )
         p += self.policy.problems() + self.sampler.image_size_problems(self.policy)
         p += self.reward.settings_problems() + reward_modality_problems(self.policy, self.reward)
         if self.sampler.guidance_scale > 1 and not self.update.train_cfg:

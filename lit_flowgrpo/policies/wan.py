@@ -137,6 +137,21 @@ class WanPolicy(FlowPolicy):
             ]
         return []
 
+    @property
+    def declared_networks(self) -> int:
+        """Trainable networks the checkpoint holds, read from a local folder's ``model_index.json``
+        before any weight (2 for Wan 2.2 A14B); 1 when unknown (a hub id: known once loaded)."""
+        import json
+        import os
+
+        index = os.path.join(self.pretrained, "model_index.json")
+        try:
+            with open(index, encoding="utf-8") as f:
+                entry = json.load(f).get("transformer_2")
+        except (OSError, ValueError):
+            return 1
+        return 2 if isinstance(entry, list) and entry[0] is not None else 1
+
     # -- loading ------------------------------------------------------------------------------------
 
     def load(self) -> None:

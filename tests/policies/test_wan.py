@@ -182,6 +182,19 @@ def test_a14b_full_fine_tune_is_refused(tiny_wan_paths: dict) -> None:
         ValueError, match=r"--model.init_args.lora=null.*2 networks.*set --model.init_args.lora"
     ):
         TrainableWeights(None).attach(policy)
+    # ... and before any weight is read, from the folder's model_index.json.
+    from lit_flowgrpo.errors import SettingsError
+    from lit_flowgrpo.module import FlowGRPOModule
+
+    assert WanPolicy(tiny_wan_paths["a14b"]).declared_networks == 2
+    assert WanPolicy(tiny_wan_paths["2.1"]).declared_networks == 1
+    with pytest.raises(SettingsError, match=r"--model.init_args.lora=null.*2 networks"):
+        FlowGRPOModule(
+            WanPolicy(tiny_wan_paths["a14b"]),
+            lambda images, prompts, metadata: images.mean(),
+            sampler=Sampler(height=32, width=32, frames=5),
+            lora=None,
+        )
 
 
 def test_bad_frames_and_sizes_name_the_flag(tiny_wan_paths: dict, tiny_sd3_path: str) -> None:
