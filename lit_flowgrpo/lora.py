@@ -11,7 +11,7 @@ import copy
 import math
 import os
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +23,11 @@ from lit_flowgrpo.export import destination_problems, write_folder
 from lit_flowgrpo.policies.base import FlowPolicy
 
 __all__ = ["LoraSettings", "ReferenceSettings", "TrainableWeights"]
+
+_FULL_FINE_TUNE_OF_SEVERAL = (
+    "--model.init_args.lora=null (a full fine-tune) with a policy that trains {networks} networks (Wan 2.2 "
+    "A14B's experts): only LoRA is supported there; set --model.init_args.lora"
+)
 
 
 @dataclass
@@ -126,6 +131,12 @@ class ReferenceSettings:
 class TrainableWeights:
     """The trained part of a policy: a LoRA adapter (``lora`` given) or the whole transformer.
 
+    A policy with several trainable networks (:attr:`~lit_flowgrpo.policies.base.FlowPolicy.trainable_networks`:
+    Wan 2.2 A14B's two experts) gets one adapter on each, with the same settings: the KL reference
+    switches every adapter off, the old policy keeps every adapter's tensors, and the export writes
+    one adapter per network. A full fine-tune of several networks is refused (two frozen copies of
+    each 14B expert would not fit beside them).
+
     Args:
         lora: LoRA settings; ``None`` is a full fine-tune of the transformer.
         reference_copy: full fine-tune only: keep a frozen copy of the initial transformer as the KL
@@ -163,9 +174,13 @@ class TrainableWeights:
         self._old_state: dict[str, Tensor] | None = None
         self._old_network: nn.Module | None = None
 
-    def problems(self, uses_reference: bool) -> list[str]:
+    def problems(self, uses_reference: bool, networks: int = 1) -> list[str]:
+        """Every problem with these settings; ``networks``: the trainable networks the policy declares
+        before loading (Wan 2.2 A14B: 2)."""
         p = [] if self.lora is None else self.lora.problems()
         p += self.reference_settings.problems(uses_reference)
+        if self.lora is None and networks > 1:
+            p.append(_FULL_FINE_TUNE_OF_SEVERAL.format(networks=networks))
         if self.lora is None and uses_reference and not self.reference_copy:
             p.append(
                 "--model.init_args.objective.init_args.kl_coef > 0 with a full fine-tune (--model.init_args.lora=null) needs "
@@ -180,6 +195,11 @@ class TrainableWeights:
 
     def attach(self, policy: FlowPolicy) -> None:
         """Make the trained parameters trainable (and only those); called once, after ``policy.load()``."""
+        networks = _networks(policy)
+        if self.lora is None and len(networks) > 1:
+            from lit_flowgrpo.errors import SettingsError
+
+            raise SettingsError(_FULL_FINE_TUNE_OF_SEVERAL.format(networks=len(networks)))
         transformer = policy.transformer
         if self.lora is None:
             transformer.requires_grad_(True)
@@ -191,27 +211,30 @@ class TrainableWeights:
                 self._old_network = copy.deepcopy(transformer).requires_grad_(False).eval()
             return
         config = self._peft_config(policy)
-        transformer.requires_grad_(False)
-        # The adapter's random init comes from the seed, not from whatever the global RNG holds.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            if hasattr(transformer, "add_adapter"):  # every diffusers model class (PeftAdapterMixin)
-                transformer.add_adapter(config)
-            else:
-                # A plain nn.Module (the toy model) has no adapter API: peft's injection is what
-                # add_adapter runs underneath.
-                from peft import inject_adapter_in_model
-
-                inject_adapter_in_model(config, transformer)
         from diffusers.training_utils import cast_training_params
 
-        # Trainable weights in fp32 whatever the base dtype: bf16 LoRA weights lose small updates.
-        cast_training_params(transformer, dtype=torch.float32)
+        for i, network in enumerate(networks):
+            network.requires_grad_(False)
+            # The adapter's random init comes from the seed, not from whatever the global RNG holds
+            # (each further network from its own seed, so that two experts start apart).
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed + 1_000_003 * i)
+                if hasattr(network, "add_adapter"):  # every diffusers model class (PeftAdapterMixin)
+                    network.add_adapter(config)
+                else:
+                    # A plain nn.Module (the toy model) has no adapter API: peft's injection is what
+                    # add_adapter runs underneath.
+                    from peft import inject_adapter_in_model
+
+                    inject_adapter_in_model(config, network)
+            # Trainable weights in fp32 whatever the base dtype: bf16 LoRA weights lose small updates.
+            cast_training_params(network, dtype=torch.float32)
+            if not any(p.requires_grad for p in network.parameters()):
+                raise ValueError(
+                    f"--model.init_args.lora.target_modules ({config.target_modules}) matched no module of the "
+                    f"transformer{'' if i == 0 else f' (network {i})'}"
+                )
         self.peft_config = config
-        if not any(p.requires_grad for p in transformer.parameters()):
-            raise ValueError(
-                f"--model.init_args.lora.target_modules ({config.target_modules}) matched no module of the transformer"
-            )
 
     def _peft_config(self, policy: FlowPolicy) -> Any:
         from peft import LoraConfig
@@ -243,10 +266,11 @@ class TrainableWeights:
     @contextmanager
     def reference(self, policy: FlowPolicy) -> Iterator[None]:
         """Inside, the policy computes with the KL reference's weights."""
-        transformer = policy.transformer
         if self.lora is not None:
             if self.reference_settings.mode == "initial":
-                with _adapters_disabled(transformer):
+                with ExitStack() as stack:
+                    for network in _networks(policy):
+                        stack.enter_context(_adapters_disabled(network))
                     yield
             else:
                 with _swapped_in(policy, self._ref_lora(policy)):
@@ -265,7 +289,7 @@ class TrainableWeights:
         if self._ref_state is None:
             # The adapter as it starts: peft's initialisations (gaussian or default) zero its B, so this
             # reference computes what the adapter switched off does, until it moves.
-            self._ref_state = {n: p.detach().clone() for n, p in _trainable(policy.transformer)}
+            self._ref_state = {n: p.detach().clone() for n, p in _trainable_of(policy)}
         return self._ref_state
 
     def _reference_pairs(self, policy: FlowPolicy) -> Iterator[tuple[Tensor, Tensor]]:
@@ -277,7 +301,7 @@ class TrainableWeights:
                 )
             return zip(self._frozen.parameters(), policy.transformer.parameters(), strict=True)
         ref = self._ref_lora(policy)
-        return ((ref[n], p) for n, p in _trainable(policy.transformer))
+        return ((ref[n], p) for n, p in _trainable_of(policy))
 
     @torch.no_grad()
     def after_update(self, policy: FlowPolicy, optimizer_steps: int, kl: float) -> bool:
@@ -362,7 +386,7 @@ class TrainableWeights:
     def _old_lora(self, policy: FlowPolicy) -> dict[str, Tensor]:
         if self._old_state is None:
             # θ_old starts as θ (the reference copies the adapter before the first rollout).
-            self._old_state = {n: p.detach().clone() for n, p in _trainable(policy.transformer)}
+            self._old_state = {n: p.detach().clone() for n, p in _trainable_of(policy)}
         return self._old_state
 
     @contextmanager
@@ -396,7 +420,7 @@ class TrainableWeights:
             pairs = zip(self._old_network.parameters(), policy.transformer.parameters(), strict=True)
         else:
             old = self._old_lora(policy)
-            pairs = ((old[n], p) for n, p in _trainable(policy.transformer))
+            pairs = ((old[n], p) for n, p in _trainable_of(policy))
         for target, source in pairs:
             target.copy_(target * decay + source.detach().to(target.dtype) * (1.0 - decay))
 
@@ -458,7 +482,8 @@ class TrainableWeights:
         written beside it and checked before it takes the folder's place (:mod:`lit_flowgrpo.export`).
         A sharded transformer is gathered on rank 0, which writes; every rank must call this.
         """
-        transformer = policy.transformer
+        networks = _networks(policy)
+        transformer = networks[0]
         sharded = _is_sharded(transformer)
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if distributed and not sharded and torch.distributed.get_rank() != 0:
@@ -472,7 +497,8 @@ class TrainableWeights:
             raise ValueError(
                 f"{type(transformer).__name__} is not a diffusers model: it has no save_pretrained"
             )
-        state = _full_state(transformer, trainable_only=self.lora is not None) if sharded else None
+        states = [_full_state(n, trainable_only=self.lora is not None) for n in networks] if sharded else None
+        state = None if states is None else states[0]
         if sharded and torch.distributed.get_rank() != 0:
             return f"(rank {torch.distributed.get_rank()} wrote nothing: rank 0 writes {path})"
         if self.lora is None:
@@ -483,17 +509,33 @@ class TrainableWeights:
             return f"the fine-tuned transformer ({type(transformer).__name__}) to {path}"
         from peft.utils import get_peft_model_state_dict
 
-        lora_state = get_peft_model_state_dict(transformer, state_dict=state)
+        lora_states = [
+            get_peft_model_state_dict(n, state_dict=None if states is None else states[i])
+            for i, n in enumerate(networks)
+        ]
         metadata = {
             k: (sorted(v) if isinstance(v, set) else v) for k, v in self.peft_config.to_dict().items()
         }
-        write_folder(
-            path,
-            overwrite,
-            lambda d: policy.save_lora(d, lora_state, metadata),
-            lambda d: _check_lora(d, len(lora_state)),
-        )
-        return f"the LoRA adapter to {path}"
+        # The first network's adapter in the folder itself; each further one in the subfolder the
+        # policy names (Wan 2.2 A14B: transformer_2/, for `load_lora_weights(..., load_into_transformer_2=True)`).
+        folders = ["", *getattr(policy, "lora_subfolders", ())][: len(networks)]
+        if len(folders) != len(networks):
+            raise ValueError(
+                f"{type(policy).__name__} trains {len(networks)} networks but names no lora_subfolders"
+            )
+
+        def write(d: str) -> None:
+            for folder, lora_state in zip(folders, lora_states, strict=True):
+                os.makedirs(os.path.join(d, folder), exist_ok=True)
+                policy.save_lora(os.path.join(d, folder), lora_state, metadata)
+
+        def check(d: str) -> None:
+            for folder, lora_state in zip(folders, lora_states, strict=True):
+                _check_lora(os.path.join(d, folder), len(lora_state))
+
+        write_folder(path, overwrite, write, check)
+        extra = f" (and {', '.join(folders[1:])}/)" if len(folders) > 1 else ""
+        return f"the LoRA adapter to {path}{extra}"
 
 
 # The file diffusers' `save_lora_weights` writes and `load_lora_weights(folder)` reads.
@@ -562,6 +604,20 @@ def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
+def _networks(policy: FlowPolicy) -> tuple[nn.Module, ...]:
+    return tuple(getattr(policy, "trainable_networks", None) or (policy.transformer,))
+
+
+def _trainable_of(policy: FlowPolicy) -> list[tuple[str, nn.Parameter]]:
+    """The trainable tensors of every trained network: the first network's under their own names (as
+    a one-network policy's), a further network's prefixed ``network<i>.``."""
+    out = []
+    for i, network in enumerate(_networks(policy)):
+        prefix = "" if i == 0 else f"network{i}."
+        out += [(prefix + n, p) for n, p in _trainable(network)]
+    return out
+
+
 @contextmanager
 def _standing_in(policy: FlowPolicy, network: nn.Module) -> Iterator[None]:
     """Inside, ``network`` takes the transformer's place in the policy: no weight is copied, and it
@@ -593,7 +649,7 @@ def _swapped_in(policy: FlowPolicy, stored: dict[str, Tensor]) -> Iterator[None]
     in-place copy also reaches FSDP2's shards. Enter it before the θ forward of a visit: the θ graph
     must not save tensors it swaps.
     """
-    params = dict(_trainable(policy.transformer))
+    params = dict(_trainable_of(policy))
     with torch.no_grad():
         current = {n: p.detach().clone() for n, p in params.items()}
         for n, p in params.items():

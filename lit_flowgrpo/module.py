@@ -39,7 +39,7 @@ from lit_flowgrpo.lora import LoraSettings, ReferenceSettings, TrainableWeights
 from lit_flowgrpo.metrics import DiagnosticsSettings, RewardGroupStats
 from lit_flowgrpo.objective import FlowGRPO, Objective, VisitContext
 from lit_flowgrpo.performance import PerformanceSettings
-from lit_flowgrpo.policies.base import FlowPolicy
+from lit_flowgrpo.policies.base import FlowPolicy, reward_modality_problems
 from lit_flowgrpo.rewards.base import MultiReward, RewardOutput, as_reward
 from lit_flowgrpo.rewards.overlap import RewardQueue
 from lit_flowgrpo.rollout import RolloutBatch, Sampler, cfg_forwards
@@ -156,9 +156,12 @@ class FlowGRPOModule(L.LightningModule):
         )
         p += self.objective.problems(self.sampler.sde_type)
         p += self.objective.sampler_problems(self.sampler)
-        p += self.weights.problems(self.objective.uses_reference or self.diagnostics.reference_kl)
+        p += self.weights.problems(
+            self.objective.uses_reference or self.diagnostics.reference_kl,
+            getattr(self.policy, "declared_networks", 1),
+        )
         p += self.policy.problems() + self.sampler.image_size_problems(self.policy)
-        p += self.reward.settings_problems()
+        p += self.reward.settings_problems() + reward_modality_problems(self.policy, self.reward)
         if self.advantage.kl_gate is not None and not self.objective.uses_reference:
             p.append(
                 f"{flag('advantage')}.kl_gate gates the KL penalty, but there is none: set "
@@ -196,14 +199,15 @@ class FlowGRPOModule(L.LightningModule):
         self.weights.attach(self.policy)
         shape = self.policy.attention_shape(self.sampler.height, self.sampler.width)
         device = self._trainer.strategy.root_device if self._trainer is not None else self.device
-        self.performance.apply(self.policy.transformer, shape, device)
+        for network in self.policy.trainable_networks:
+            self.performance.apply(network, shape, device)
         self.performance.apply_to_decoder(getattr(self.policy, "vae", None))
         self._configured = True
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.parameters())
         rank_zero_info(f"trainable parameters: {trainable:,} of {total:,}")
         # After the adapter is attached, so that its weights shard with their blocks.
-        shard_networks(self._trainer, self.policy.transformer, *self.weights.copies)
+        shard_networks(self._trainer, *self.policy.trainable_networks, *self.weights.copies)
 
     def on_fit_start(self) -> None:
         # Frozen networks stay in eval mode on purpose (none may drop out); Lightning reports that on
@@ -223,7 +227,7 @@ class FlowGRPOModule(L.LightningModule):
             # The objective's sampling policy (DiffusionNFT's old policy; else the trained weights).
             with (
                 self.weights.sampling(self.policy),
-                self.performance.sampling_weights(self.policy.transformer),
+                self.performance.sampling_weights(*self.policy.trainable_networks),
             ):
                 traj, images = self.sampler.rollout(
                     self.policy,
@@ -249,6 +253,7 @@ class FlowGRPOModule(L.LightningModule):
         return StepOutput(
             timings=timings,
             num_images=len(batch),
+            frames_per_sample=self.sampler.frames,
             transformer_forwards={
                 "gen": traj.transformer_forwards * len(batch),
                 "old_log_prob": 0,
@@ -295,7 +300,8 @@ class FlowGRPOModule(L.LightningModule):
 
     def _update(self, rollout: RolloutBatch, step: int) -> UpdateResult:
         opt, sched = self.optimizers(), self.lr_schedulers()
-        self.policy.transformer.train()
+        for network in self.policy.trainable_networks:
+            network.train()
         transformer = self.policy.transformer
         fp32 = {transformer.dtype, self.performance.resolved_dtype(transformer)} == {torch.float32}
         guidance = self.sampler.guidance_scale if self.update.train_cfg else 1.0
@@ -374,7 +380,7 @@ class FlowGRPOModule(L.LightningModule):
     # ----------------------------------------------------------------------------------------------
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> ValidationOutput:
-        with self.performance.sampling_weights(self.policy.transformer):
+        with self.performance.sampling_weights(*self.policy.trainable_networks):
             images = self.sampler.evaluate(self.policy, list(batch.prompts), batch.seeds)
         rewards = self.reward(images, list(batch.prompts), list(batch.metadata))
         for name, values in rewards.components.items():

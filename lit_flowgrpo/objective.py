@@ -285,7 +285,8 @@ class RatioObjective(Objective):
         """Re-score trained step ``v`` of samples ``idx`` under the current policy (and the reference,
         when the KL term is on) and return the loss of the first ``live`` rows."""
         traj, j, policy = batch.trajectory, v, ctx.policy
-        x, cond = traj.latents[idx, j], index_embeds(batch.embeds, idx)
+        # fp32 whatever the record's dtype (Sampler.record_dtype): the rollout's step ran on this value.
+        x, cond = traj.latents[idx, j].float(), index_embeds(batch.embeds, idx)
         sigma = torch.full((len(idx),), float(traj.sigmas[j]), device=x.device)
         ref_mean = None
         if self.uses_reference or ctx.measure_reference:

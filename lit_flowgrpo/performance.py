@@ -233,14 +233,15 @@ class PerformanceSettings:
         decoder.compile(backend=self.compile_backend, dynamic=False)
 
     @contextmanager
-    def sampling_weights(self, transformer: nn.Module) -> Iterator[None]:
-        """Inside, the transformer samples with merged LoRA weights (``rollout_merged_lora``); else
-        nothing changes. The base weights are swapped, not modified: they are bit for bit the same
-        afterwards (merging into them and subtracting again would drift by a rounding per rollout)."""
+    def sampling_weights(self, *transformers: nn.Module) -> Iterator[None]:
+        """Inside, the transformers (the policy's trainable networks) sample with merged LoRA weights
+        (``rollout_merged_lora``); else nothing changes. The base weights are swapped, not modified:
+        they are bit for bit the same afterwards (merging into them and subtracting again would drift
+        by a rounding per rollout)."""
         if not self.rollout_merged_lora:
             yield
             return
-        layers = _mergeable_lora_layers(transformer)
+        layers = [layer for t in transformers for layer in _mergeable_lora_layers(t)]
         swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
         try:
             with torch.no_grad():

@@ -18,7 +18,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
-from lit_flowgrpo.policies.base import Embeds, FlowPolicy, index_embeds
+from lit_flowgrpo.policies.base import Embeds, FlowPolicy, index_embeds, latent_shape_of
 from lit_flowgrpo.sde import SDEStep, SDEType, sde_step_with_logprob
 
 __all__ = [
@@ -35,6 +35,10 @@ __all__ = [
 #: and μ_old of each.
 Record = Literal["transitions", "means"]
 RECORDS: tuple[Record, ...] = ("transitions", "means")
+
+#: The dtype the trajectory stores its per-step latents in (x, x_next, μ_old).
+RecordDType = Literal["float32", "bfloat16"]
+_RECORD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -54,6 +58,15 @@ class Sampler:
             rollout from the seed.
         height: image height in pixels of the rollout.
         width: image width in pixels of the rollout.
+        frames: frames per sample, for rollouts and validation: 1 for images (the policy then
+            decodes (B, 3, H, W)); a video policy decodes (B, frames, 3, H, W) and says which counts
+            it can draw (Wan: 4k + 1).
+        record_dtype: dtype of the latents the trajectory keeps for each trained step (x, x_next
+            and μ_old; log-probs and the final sample stay fp32). ``"bfloat16"`` halves that memory,
+            which dominates at video sizes (Wan 2.1 at 33 × 240 × 416 px: 0.4 MB per sample and
+            step in fp32). The chain then continues from the stored values and the recorded
+            log-prob is that of the stored x_next, so the update re-scores exactly what the rollout
+            scored: the on-policy ratio stays 1 (its bf16 rounding only, as the model's).
         batch_size: samples per transformer forward in the rollout and in validation (``None``: the
             whole per-rank batch at once). Each sample's noise comes from its own seed, so this only
             trades memory for speed.
@@ -73,6 +86,8 @@ class Sampler:
     sde_window_range: tuple[int, int] | None = None
     height: int = 512
     width: int = 512
+    frames: int = 1
+    record_dtype: RecordDType = "float32"
     batch_size: int | None = None
     eval_num_steps: int = 40
     eval_guidance_scale: float | None = None
@@ -86,7 +101,7 @@ class Sampler:
     def problems(self, flag: str = "--model.init_args.sampler") -> list[str]:
         """Every problem with these settings (empty when fine); checked before any weight is read."""
         p: list[str] = []
-        for name in ("num_steps", "eval_num_steps", "height", "width"):
+        for name in ("num_steps", "eval_num_steps", "height", "width", "frames"):
             if getattr(self, name) < 1:
                 p.append(f"{flag}.{name} ({getattr(self, name)}) must be at least 1")
         for name in ("eval_height", "eval_width"):
@@ -94,6 +109,8 @@ class Sampler:
                 p.append(
                     f"{flag}.{name} ({getattr(self, name)}) must be at least 1, or null to use {name[5:]}"
                 )
+        if self.record_dtype not in _RECORD_DTYPES:
+            p.append(f"{flag}.record_dtype ({self.record_dtype!r}) must be one of {list(_RECORD_DTYPES)}")
         if self.batch_size is not None and self.batch_size < 1:
             p.append(f"{flag}.batch_size ({self.batch_size}) must be at least 1, or null for the whole batch")
         if not self.noise_level > 0:
@@ -118,8 +135,14 @@ class Sampler:
         return p
 
     def image_size_problems(self, policy: FlowPolicy, flag: str = "--model.init_args.sampler") -> list[str]:
-        """The policy's objections to the rollout and validation image sizes (before any weight is read)."""
+        """The policy's objections to the rollout and validation sizes, frames included (before any
+        weight is read)."""
         p = policy.image_size_problems(self.height, self.width)
+        check = getattr(policy, "frame_problems", None)  # a duck-typed image policy may lack it
+        if check is not None and isinstance(self.frames, int) and self.frames >= 1:
+            p += check(self.frames, f"{flag}.frames")
+        elif check is None and self.frames != 1:
+            p.append(f"{flag}.frames ({self.frames}) must be 1 for {type(policy).__name__}, an image model")
         flags = (f"{flag}.eval_height", f"{flag}.eval_width")
         own = tuple(
             f for f, v in zip(flags, (self.eval_height, self.eval_width), strict=True) if v is not None
@@ -188,9 +211,10 @@ class Sampler:
                 the noise of the stochastic steps. ``None``: each sample's own seed draws both, in turn.
         """
         sde_steps, train_steps = self.plan(step, seed)
-        transformer = policy.transformer
-        was_training = transformer.training
-        transformer.eval()
+        networks = getattr(policy, "trainable_networks", None) or (policy.transformer,)
+        was_training = [n.training for n in networks]
+        for network in networks:
+            network.eval()
         try:
             parts, images = [], []
             for rows in self._chunks(len(seeds)):
@@ -201,7 +225,8 @@ class Sampler:
                     if initial_seeds is None
                     else per_sample_generators(initial_seeds[rows], device)
                 )
-                noise = initial_noise(policy.latent_shape(self.height, self.width), starts, device)
+                shape = latent_shape_of(policy, self.height, self.width, self.frames)
+                noise = initial_noise(shape, starts, device)
                 traj = sample_trajectory(
                     policy,
                     index_embeds(embeds, rows),
@@ -214,13 +239,15 @@ class Sampler:
                     train_steps=train_steps,
                     generators=generators,
                     record=record,
+                    record_dtype=_RECORD_DTYPES[self.record_dtype],
                 )
                 images.append(policy.decode(traj.final))
                 parts.append(traj)
                 if on_chunk is not None:
                     on_chunk(rows, images[-1])
         finally:
-            transformer.train(was_training)
+            for network, mode in zip(networks, was_training, strict=True):
+                network.train(mode)
         return Trajectory.cat(parts), torch.cat(images)
 
     @torch.no_grad()
@@ -234,7 +261,7 @@ class Sampler:
         to_cpu: bool = False,
     ) -> Tensor:
         """Images (B, 3, H, W) in [0, 1] sampled with the deterministic ODE (validation, evaluation),
-        at :attr:`eval_size`.
+        at :attr:`eval_size` (videos of :attr:`frames` frames: (B, F, 3, H, W)).
 
         Args:
             policy: the model family.
@@ -249,7 +276,7 @@ class Sampler:
         for rows in self._chunks(len(prompts)):
             device = _device(policy)
             generators = per_sample_generators(seeds[rows], noise_device or device)
-            noise = initial_noise(policy.latent_shape(height, width), generators, device)
+            noise = initial_noise(latent_shape_of(policy, height, width, self.frames), generators, device)
             traj = sample_trajectory(
                 policy,
                 policy.encode_prompts([prompts[i] for i in range(rows.start, rows.stop)]),
@@ -276,13 +303,13 @@ class Trajectory:
     settings it was drawn with."""
 
     latents: Tensor
-    """(B, S, *latent) fp32: x at each trained step."""
+    """(B, S, *latent) in the sampler's ``record_dtype`` (fp32 by default): x at each trained step."""
     next_latents: Tensor
-    """(B, S, *latent) fp32: the recorded x_next of each trained step."""
+    """(B, S, *latent) in ``record_dtype``: the recorded x_next of each trained step."""
     log_probs: Tensor
     """(B, S) fp32: log p_old(x_next | x) at rollout."""
     prev_sample_means: Tensor | None
-    """(B, S, *latent) fp32: μ_old, kept only when the loss needs it (GRPO-Guard)."""
+    """(B, S, *latent) in ``record_dtype``: μ_old, kept only when the loss needs it (GRPO-Guard)."""
     std_dev_t: Tensor
     """(B, S) fp32."""
     sqrt_dt: Tensor
@@ -419,6 +446,7 @@ def sample_trajectory(
     train_steps: Sequence[int],
     generators: Sequence[torch.Generator] | None = None,
     record: Collection[Record] = ("transitions",),
+    record_dtype: torch.dtype = torch.float32,
 ) -> Trajectory:
     """Sample B images from ``noise`` and record the trained steps (the denoising loop).
 
@@ -434,6 +462,7 @@ def sample_trajectory(
         train_steps: steps recorded for the update (a subset of ``sde_steps``).
         generators: one generator per sample, so each sample's noise is independent of the batch.
         record: what to record of the trained steps (see :meth:`Sampler.rollout`).
+        record_dtype: the dtype the per-step latents are kept in (:attr:`Sampler.record_dtype`).
     """
     sigmas = sigmas.to(torch.float32)
     num_steps = sigmas.numel() - 1
@@ -455,8 +484,12 @@ def sample_trajectory(
     record: dict[str, list[Tensor]] = {k: [] for k in ("x", "x_next", "logp", "mean", "std", "sqrt_dt")}
     forwards = 0
     per_forward = cfg_forwards(policy, guidance_scale)
+    rounded = record_dtype != torch.float32
     for j in range(num_steps):
         sigma, sigma_next = sigma_list[j], sigma_list[j + 1]
+        if rounded and j in train_set:
+            # A trained step starts from a value the record holds exactly (the one the update re-scores).
+            x = x.to(record_dtype).float()
         velocity = policy.velocity(x, torch.full((batch,), sigma, device=device), embeds, guidance_scale)
         forwards += per_forward
         stochastic = j in sde_set
@@ -470,14 +503,27 @@ def sample_trajectory(
             generator=list(generators) if (stochastic and generators is not None) else None,
             sigma_max=sigma_max,
         )
+        if rounded and j in train_set:
+            # Keep x_next as stored and score that value (the step math only, no forward): the recorded
+            # log-prob is then the one the update recomputes from the record.
+            out = sde_step_with_logprob(
+                velocity,
+                x,
+                sigma,
+                sigma_next,
+                noise_level=noise_level,
+                sde_type=sde_type,
+                prev_sample=out.prev_sample.to(record_dtype),
+                sigma_max=sigma_max,
+            )
         if j in train_set:
-            record["x"].append(x)
-            record["x_next"].append(out.prev_sample)
+            record["x"].append(x.to(record_dtype))  # stored as they come: no fp32 copy of all steps
+            record["x_next"].append(out.prev_sample.to(record_dtype))
             record["logp"].append(out.log_prob)
             record["std"].append(out.std_dev_t)
             record["sqrt_dt"].append(out.sqrt_dt)
             if keep_means:
-                record["mean"].append(out.prev_sample_mean)
+                record["mean"].append(out.prev_sample_mean.to(record_dtype))
         x = out.prev_sample
     steps = sorted(train_set)
     empty = torch.zeros(batch, 0, device=device)

@@ -24,11 +24,13 @@ class StepOutput(TypedDict):
     timings: dict[str, float]
     """Seconds spent in each of :data:`STAGES` (after a CUDA synchronize)."""
     num_images: int
-    """Images this rank generated."""
+    """Samples (images, or videos) this rank generated."""
+    frames_per_sample: int
+    """Frames of each sample: 1 for images, F for videos (the sampler's ``frames``)."""
     transformer_forwards: dict[str, int]
     """Single-sample transformer forwards per stage (CFG counts twice), for MFU."""
     images: Tensor
-    """(B, 3, H, W) in [0, 1], on the module's device."""
+    """(B, 3, H, W) in [0, 1], on the module's device; videos: (B, F, 3, H, W)."""
     prompts: list[str]
     rewards: Tensor
     """(B,) total reward (NaN where the sample could not be scored)."""
@@ -50,7 +52,7 @@ class ValidationOutput(TypedDict):
     """One validation batch on this rank."""
 
     images: Tensor
-    """(B, 3, H, W) in [0, 1], on the module's device."""
+    """(B, 3, H, W) in [0, 1], on the module's device; videos: (B, F, 3, H, W)."""
     prompts: list[str]
     rewards: dict[str, Tensor]
     """Each reward component, (B,) (NaN where unscored)."""

@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from lit_flowgrpo.cli import FlowGRPOCLI
+from lit_flowgrpo.rewards.base import register_reward
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "configs"
@@ -166,6 +167,36 @@ PUBLISHED: dict[str, dict[str, Any]] = {
         "sde_window_size": 2,
         "sde_window_range": [0, 5],
     },
+    # general_ocr_wan2_1 on 1 GPU: train_batch_size 8 x num_batches_per_epoch 2 = 16 videos = 4 prompts x 4;
+    # gradient_accumulation_steps 2 // 2 = 1 -> 2 optimizer steps; scripts/train_wan2_1.py LoRA 32/64.
+    "wan21_1p3b_flowgrpo": {
+        "gpus": 1,
+        "prompts_per_step": 4,
+        "group_size": 4,
+        "micro_batch_size": 8,
+        "optimizer_steps_per_rollout": 2,
+        "num_steps": 20,
+        "eval_num_steps": 50,
+        "height": 240,
+        "width": 416,
+        "frames": 33,
+        "lora_rank": 32,
+        "lora_alpha": 64,
+        "lr": 1e-4,
+        "loss": "flow_grpo",
+        "clip_range": 1e-3,
+        "kl_coef": 0.004,
+        "noise_level": 0.7,
+        "guidance_scale": 4.5,
+        "advantage_std": "group",
+        "reward": "ocr",
+    },
+}
+# Wan 2.2 A14B: no published Flow-GRPO run; the Wan 2.1 recipe's RL settings, Wan 2.2's own guidance.
+PUBLISHED["wan22_a14b_flowgrpo"] = {
+    **PUBLISHED["wan21_1p3b_flowgrpo"],
+    "guidance_scale": 4.0,
+    "policy_guidance_scale_2": 3.0,
 }
 
 FAMILY_FIXTURE = {
@@ -173,7 +204,10 @@ FAMILY_FIXTURE = {
     "lit_flowgrpo.policies.sd3.SD3Policy": "tiny_sd3_path",
     "lit_flowgrpo.policies.flux.FluxPolicy": "tiny_flux_path",
     "lit_flowgrpo.policies.qwenimage.QwenImagePolicy": "tiny_qwenimage_path",
+    "lit_flowgrpo.policies.wan.WanPolicy": "tiny_wan_path",
 }
+#: The tiny pipeline of each Wan recipe (the A14B recipe runs the two-expert tiny).
+TINY_VARIANT = {"wan22_a14b_flowgrpo": "tiny_wan_a14b_path"}
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -255,7 +289,8 @@ def test_recipe_matches_its_source(name: str) -> None:
     for key in ("clip_range", "kl_coef"):
         assert objective["init_args"][key] == pytest.approx(want[key], rel=1e-12), key
     assert sampler["noise_level"] == pytest.approx(want["noise_level"], rel=1e-12)
-    assert sampler["height"] == sampler["width"] == want["height"]
+    assert sampler["height"] == want["height"] and sampler["width"] == want.get("width", want["height"])
+    assert sampler.get("frames", 1) == want.get("frames", 1)
     assert model["optimizer"]["init_args"]["lr"] == pytest.approx(want["lr"], rel=1e-12)
     assert model["lora"]["rank"] == want["lora_rank"] and model["lora"]["alpha"] == want["lora_alpha"]
     assert objective["init_args"]["adv_clip_max"] == 5.0 and update["max_grad_norm"] == 1.0
@@ -263,6 +298,8 @@ def test_recipe_matches_its_source(name: str) -> None:
         assert sampler["guidance_scale"] == want["guidance_scale"]
     if "policy_guidance_scale" in want:
         assert policy["guidance_scale"] == want["policy_guidance_scale"]
+    if "policy_guidance_scale_2" in want:
+        assert policy["guidance_scale_2"] == want["policy_guidance_scale_2"]
     if "policy_true_cfg_scale" in want:
         assert policy["true_cfg_scale"] == want["policy_true_cfg_scale"] == sampler["guidance_scale"]
     for key in ("sde_type", "sde_window_size", "sde_window_range"):
@@ -274,7 +311,12 @@ def test_recipe_matches_its_source(name: str) -> None:
         assert sampler["timestep_fraction"] == 0.99
     assert list(model["reward"]["init_args"]["weights"]) == [want["reward"]]
     # the measured fast path on GPUs; Qwen-Image's causal video decoder was not measured compiled
-    fast = {"compile_blocks": True} if "qwen" in name else {"compile_blocks": True, "compile_decoder": True}
+    # (nor Wan's causal video decoder)
+    fast = (
+        {"compile_blocks": True}
+        if "qwen" in name or "wan" in name
+        else {"compile_blocks": True, "compile_decoder": True}
+    )
     assert model["performance"] == fast
     assert policy["dtype"] == "bfloat16" and trainer["precision"] == "32-true"
 
@@ -282,7 +324,10 @@ def test_recipe_matches_its_source(name: str) -> None:
     assert callbacks["TrainableEMA"] == {"decay": 0.9, "update_every": 8}
     assert callbacks["LearningRateMonitor"] == {"logging_interval": "step"}
     assert callbacks["ModelCheckpoint"]["save_last"] is True
-    assert {"RLThroughputMonitor", "SampleImageLogger"} <= set(callbacks)
+    # Video recipes log no image grid (video logging is its own callback).
+    assert {"RLThroughputMonitor"} | ({"SampleImageLogger"} if "frames" not in want else set()) <= set(
+        callbacks
+    )
     # Checkpoints land on whole rollouts: every_n_train_steps counts optimizer steps.
     assert callbacks["ModelCheckpoint"]["every_n_train_steps"] % update["optimizer_steps_per_rollout"] == 0
     assert trainer["logger"]["class_path"] == "lightning.pytorch.loggers.WandbLogger"
@@ -306,6 +351,34 @@ def tiny_qwenimage_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     from lit_flowgrpo.tiny.qwenimage import build_tiny_qwenimage
 
     return build_tiny_qwenimage(tmp_path_factory.mktemp("cfg_tiny_qwenimage"))
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from lit_flowgrpo.tiny.wan import build_tiny_wan
+
+    return build_tiny_wan(tmp_path_factory.mktemp("cfg_tiny_wan"))
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_a14b_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from lit_flowgrpo.tiny.wan import build_tiny_wan
+
+    return build_tiny_wan(tmp_path_factory.mktemp("cfg_tiny_wan_a14b"), "a14b")
+
+
+@register_reward("tiny_video_jpeg")
+class TinyVideoJpeg:
+    """JPEG compressibility averaged over a video's frames: a video reward that needs no weights."""
+
+    modalities = frozenset({"image", "video"})
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        from lit_flowgrpo.rewards.jpeg import jpeg_size_kb
+
+        if images.dim() == 4:
+            return -jpeg_size_kb(images)
+        return torch.stack([-jpeg_size_kb(video).mean() for video in images])
 
 
 def _tiny_run_config(cfg: dict[str, Any], pretrained: str, prompts: str, root: Path) -> dict[str, Any]:
@@ -336,9 +409,13 @@ def _tiny_run_config(cfg: dict[str, Any], pretrained: str, prompts: str, root: P
             callback["init_args"] = {"measure_flops": False}
     policy = model["policy"]["init_args"]
     policy.update(pretrained=pretrained, max_sequence_length=16)
-    model["reward"]["init_args"] = {"weights": {"jpeg_compressibility": 1.0}}
+    video = model["sampler"].get("frames", 1) > 1
+    reward = "tiny_video_jpeg" if video else "jpeg_compressibility"
+    model["reward"]["init_args"] = {"weights": {reward: 1.0}}
     window = model["sampler"].get("sde_window_range")
     model["sampler"].update(height=32, width=32, num_steps=window[1] if window else 3, eval_num_steps=2)
+    if video:
+        model["sampler"].update(frames=5)  # 2 latent frames
     model["update"]["micro_batch_size"] = 4
     model["performance"] = {}  # compiling for a CPU rollout costs minutes
     data.update(train=prompts, val=None, prompts_per_step=2, group_size=4)
@@ -350,7 +427,7 @@ def test_recipe_runs_one_rollout_on_cpu(
     name: str, request: pytest.FixtureRequest, prompt_file: str, tmp_path: Path
 ) -> None:
     raw = _load(CONFIG_DIR / f"{name}.yaml")
-    fixture = FAMILY_FIXTURE[raw["model"]["init_args"]["policy"]["class_path"]]
+    fixture = TINY_VARIANT.get(name) or FAMILY_FIXTURE[raw["model"]["init_args"]["policy"]["class_path"]]
     cfg = _tiny_run_config(raw, request.getfixturevalue(fixture), prompt_file, tmp_path)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -383,7 +460,72 @@ def test_recipe_runs_one_rollout_on_cpu(
     # The recipe's callbacks did their work: a checkpoint (last.ckpt too) and a sample grid.
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt"))
     assert "last.ckpt" in checkpoints and len(checkpoints) >= 2
+    if "frames" in want:  # a video recipe: every trained network holds an adapter
+        networks = module.policy.trainable_networks
+        assert len(networks) == (2 if "a14b" in name else 1)
+        assert all(any(p.requires_grad for p in n.parameters()) for n in networks)
+        return
     grids = list(tmp_path.rglob("train*_step*.png"))
     assert grids, f"no sample grid under {tmp_path}: {[p.name for p in tmp_path.rglob('*')]}"
     captions = list(tmp_path.rglob("train*_step*.json"))
     assert captions and len(json.loads(captions[0].read_text())["captions"]) == 4
+
+
+def test_tiny_a14b_recipe_exports_both_experts_and_resumes(
+    tiny_wan_a14b_path: str, prompt_file: str, tmp_path: Path
+) -> None:
+    """The A14B recipe end to end on the two-expert tiny: fit (rollout, reward, update, checkpoint), export
+    (one adapter per expert, each loaded back by WanPipeline into its own transformer), then resume."""
+    from diffusers import WanPipeline
+    from safetensors.torch import load_file
+
+    from lit_flowgrpo.cli import main
+
+    cfg = _tiny_run_config(
+        _load(CONFIG_DIR / "wan22_a14b_flowgrpo.yaml"), tiny_wan_a14b_path, prompt_file, tmp_path
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cli = FlowGRPOCLI(args=["fit", "--config", str(path)])
+    module = cli.model
+    high, _ = module.policy.trainable_networks
+    state = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    saved = set(state["state_dict"])
+    assert any(k.startswith("policy._transformer.") for k in saved)
+    assert any(k.startswith("policy._transformer_2.") for k in saved)
+    assert cli.trainer.global_step == 2
+
+    out = tmp_path / "lora"
+    main(
+        [
+            "export",
+            "--config",
+            str(path),
+            "--ckpt_path",
+            str(tmp_path / "checkpoints" / "last.ckpt"),
+            "--out",
+            str(out),
+        ]
+    )
+    first = load_file(out / "pytorch_lora_weights.safetensors")
+    second = load_file(out / "transformer_2" / "pytorch_lora_weights.safetensors")
+    assert len(first) == len(second) == sum(1 for n, p in high.named_parameters() if p.requires_grad)
+    pipe = WanPipeline.from_pretrained(tiny_wan_a14b_path)
+    pipe.load_lora_weights(str(out), adapter_name="high")
+    pipe.load_lora_weights(str(out / "transformer_2"), adapter_name="low", load_into_transformer_2=True)
+    loaded_high = {n for n, _ in pipe.transformer.named_parameters() if "lora_" in n}
+    loaded_low = {n for n, _ in pipe.transformer_2.named_parameters() if "lora_" in n}
+    assert len(loaded_high) == len(loaded_low) == len(first)
+
+    # Resume: the checkpoint's adapters (both experts) and step, one more rollout.
+    resumed = FlowGRPOCLI(
+        args=[
+            "fit",
+            "--config",
+            str(path),
+            "--trainer.max_steps=4",
+            f"--ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}",
+        ]
+    )
+    assert resumed.trainer.global_step == 4
+    assert math.isfinite(float(resumed.trainer.logged_metrics["actor/loss"]))

@@ -220,7 +220,9 @@ def test_gdpo_trains_around_failed_components(tiny_sd3_path: str, tmp_path: Path
     assert logged["actor/dropped_samples"] == 4 and math.isfinite(logged["actor/loss"])
 
 
-def test_an_ema_reference_on_the_tiny_pipeline_is_checkpointed_and_resumed(tiny_sd3_path: str, tmp_path: Path) -> None:
+def test_an_ema_reference_on_the_tiny_pipeline_is_checkpointed_and_resumed(
+    tiny_sd3_path: str, tmp_path: Path
+) -> None:
     """One rollout of configs/tiny_sd3.yaml (LoRA, 2 optimizer steps) with the KL on and an EMA reference:
     the checkpoint holds the reference, between the adapter as it started and as it ended, and a run
     resumed from it starts from that reference."""
@@ -244,7 +246,9 @@ def test_an_ema_reference_on_the_tiny_pipeline_is_checkpointed_and_resumed(tiny_
     assert b and all(torch.allclose(reference[k], 0.5 * adapter[k], rtol=0, atol=1e-7) for k in b)
     assert any(not torch.equal(reference[k], adapter[k]) for k in reference if "lora_A" in k)
     resumed = FlowGRPOCLI(
-        args=tiny_fit_args(tiny_sd3_path, tmp_path / "resumed", *ema, "--trainer.max_steps=4", f"--ckpt_path={last}")
+        args=tiny_fit_args(
+            tiny_sd3_path, tmp_path / "resumed", *ema, "--trainer.max_steps=4", f"--ckpt_path={last}"
+        )
     )
     assert resumed.trainer.global_step == 4
 
@@ -286,7 +290,9 @@ def test_gardo_on_the_shapes_world(tmp_path: Path) -> None:
     for step, row in zip(Record.steps, rows, strict=True):
         c = step["components"]
         weights = gated_kl_weights(gardo_uncertainty(c["shapes_color"], c["shapes/partial"][None]), 0.5)
-        assert float(row["actor/kl_gated_fraction"]) == pytest.approx(float((weights > 0).float().mean()), abs=1e-7)
+        assert float(row["actor/kl_gated_fraction"]) == pytest.approx(
+            float((weights > 0).float().mean()), abs=1e-7
+        )
         assert float(row["actor/kl_gate_target"]) == pytest.approx(0.5)
         assert float(row["critic/advantages/diversity_scale_max"]) >= 1.0
     assert [float(r["actor/reference_refreshes"]) for r in rows] == [0.0, 1.0]

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-from torch import nn
 from test_advantages_gdpo import _Ranks, _Sent
+from torch import nn
 
 from lit_flowgrpo.advantages import AdvantageSettings, DiversityBonus, KLGate
 from lit_flowgrpo.algorithms import diversity_multipliers, gardo_uncertainty, gated_kl_weights, win_rates
@@ -181,9 +181,9 @@ def test_gate_and_bonus_settings_are_refused_with_their_flag() -> None:
     assert "--model.init_args.advantage.diversity_bonus.pool (0) must be at least 1" in said
     said = "\n".join(AdvantageSettings(kl_gate=KLGate(proxy="shapes_color")).problems(reward=reward))
     assert f"{flag}.auxiliary is empty" in said
-    assert not AdvantageSettings(
-        kl_gate=KLGate(proxy="shapes_color", auxiliary=["shapes/partial"])
-    ).problems(reward=reward)
+    assert not AdvantageSettings(kl_gate=KLGate(proxy="shapes_color", auxiliary=["shapes/partial"])).problems(
+        reward=reward
+    )
 
 
 class _Table:
@@ -226,7 +226,9 @@ def test_gate_and_bonus_on_n_ranks_give_each_sample_what_one_process_gives_it(wo
         return sample_ids, out
 
     ids, one = run(1, 0, [None], settings())
-    by_id = {i: (a, k) for i, a, k in zip(ids.tolist(), one.values.tolist(), one.kl_weights.tolist(), strict=True)}
+    by_id = {
+        i: (a, k) for i, a, k in zip(ids.tolist(), one.values.tolist(), one.kl_weights.tolist(), strict=True)
+    }
     assert 0 < one.log["actor/kl_gated_fraction"] <= 0.2 + 1e-6
     assert one.log["critic/advantages/diversity_scale_max"] > 1
     # The one-process result is the re-derivation: the gate from the components, the bonus on top.
@@ -336,7 +338,9 @@ def test_a_refreshed_reference_moves_on_schedule_and_on_kl(lora: bool) -> None:
 
 def test_an_ema_reference_trails_the_policy_by_its_decay() -> None:
     policy = _Policy()
-    weights = TrainableWeights(LoraSettings(rank=2), reference_settings=ReferenceSettings(mode="ema", ema_decay=0.75))
+    weights = TrainableWeights(
+        LoraSettings(rank=2), reference_settings=ReferenceSettings(mode="ema", ema_decay=0.75)
+    )
     weights.attach(policy)
     with weights.reference(policy):
         pass  # the stored copy is made on first use, from the adapter as it starts
@@ -358,7 +362,9 @@ def test_reference_settings_are_refused_with_their_flag() -> None:
     def said(settings: ReferenceSettings, uses_reference: bool = True) -> str:
         return "\n".join(settings.problems(uses_reference))
 
-    assert f"{flag}.refresh_every (0) must be at least 1" in said(ReferenceSettings("refreshed", refresh_every=0))
+    assert f"{flag}.refresh_every (0) must be at least 1" in said(
+        ReferenceSettings("refreshed", refresh_every=0)
+    )
     assert f"{flag}.mode=refreshed needs {flag}.refresh_every or {flag}.refresh_kl" in said(
         ReferenceSettings("refreshed")
     )

@@ -162,3 +162,61 @@ def test_eval_sizes_are_checked_against_the_policy_under_their_own_flags() -> No
     assert Sampler(eval_height=0).problems() == [
         f"{flag}.eval_height (0) must be at least 1, or null to use height"
     ]
+
+
+class VideoField:
+    """A stand-in video policy: (B, C, F, h, w) latents, a fixed sample-dependent field."""
+
+    uses_cfg_batch = True
+
+    def velocity(self, x: Tensor, sigma: Tensor, embeds: dict, guidance: float) -> Tensor:
+        return torch.tanh(x * embeds["scale"].view(-1, 1, 1, 1, 1)) + sigma.view(-1, 1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("record_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_video_records_re_score_on_policy_in_either_storage_dtype(record_dtype: torch.dtype) -> None:
+    """The on-policy ratio of 5-D (video) latents: exact with fp32 records; with bf16 records the chain
+    continues from the stored values and the log-prob is that of the stored x_next, so it stays exact
+    (the check the update makes tolerates 1e-3)."""
+    gens = [torch.Generator().manual_seed(s) for s in range(3)]
+    noise = torch.randn(3, 4, 2, 3, 5, generator=torch.Generator().manual_seed(9))
+    embeds = {"scale": torch.tensor([0.5, 1.0, 2.0])}
+    field = VideoField()
+    traj = sample_trajectory(
+        field,
+        embeds,
+        noise,
+        torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]),
+        guidance_scale=1.0,
+        noise_level=0.7,
+        sde_type="sde",
+        sde_steps=[0, 1, 2, 3],
+        train_steps=[0, 1, 2],
+        generators=gens,
+        record=("transitions", "means"),
+        record_dtype=record_dtype,
+    )
+    assert traj.latents.dtype == traj.next_latents.dtype == traj.prev_sample_means.dtype == record_dtype
+    assert traj.latents.shape == (3, 3, 4, 2, 3, 5) and traj.log_probs.shape == (3, 3)
+    assert traj.final.dtype == traj.log_probs.dtype == torch.float32
+    # Each trained step starts where the previous one's record ends (the chain runs on stored values).
+    assert torch.equal(traj.latents[:, 1:], traj.next_latents[:, :-1])
+    for j in range(traj.num_trained):
+        idx = torch.tensor([2, 0])
+        x = traj.latents[idx, j].float()
+        sigma = torch.full((2,), float(traj.sigmas[j]))
+        step = traj.score(field.velocity(x, sigma, {"scale": embeds["scale"][idx]}, 1.0), j, idx)
+        ratio = torch.exp(step.log_prob - traj.log_probs[idx, j])
+        assert (ratio - 1).abs().max() <= (0 if record_dtype == torch.float32 else 1e-3)
+        assert torch.equal(step.log_prob, traj.log_probs[idx, j])
+    # The log-prob is a mean over every non-batch element (Flow-GRPO's unit), 5-D as 3-D.
+    mean_of_elements = traj.log_probs.abs().max()
+    assert mean_of_elements < 10  # a sum over the 120 elements of a sample would be ~100x larger
+
+
+def test_record_dtype_and_frames_are_checked() -> None:
+    problems = Sampler(record_dtype="float16", frames=0).problems()
+    assert any(p.startswith("--model.init_args.sampler.frames (0) must be at least 1") for p in problems)
+    assert any(
+        p.startswith("--model.init_args.sampler.record_dtype ('float16') must be one of") for p in problems
+    )

@@ -48,7 +48,12 @@ __all__ = [
 class RLThroughputMonitor(Callback):
     r"""Stage timings, images per GPU per second, MFU, peak memory and rank balance of each RL step.
 
-    Logged keys (per rollout step; "this rank" means rank 0's value, the one loggers write):
+    Logged keys (per rollout step; "this rank" means rank 0's value, the one loggers write). For a
+    video run (the step output's ``frames_per_sample`` F > 1) every "image" below is a frame, so the
+    image keys compare across image and video models, and the ``video`` keys count whole videos:
+    ``perf/video_throughput`` (videos per GPU per second, = ``perf/throughput`` / F),
+    ``perf/total_num_videos``, ``perf/cumulative_num_videos`` and ``timing_per_video_ms/<stage>``.
+    The FLOP count runs one forward at the run's frame count too.
 
     - ``timing_s/<stage>``: seconds this rank spent in each stage the training step reports
       (``gen, reward, old_log_prob, ref, adv, update_actor, step``). These read the module's clock
@@ -101,8 +106,9 @@ class RLThroughputMonitor(Callback):
         self.peak_flops: float | None = None
         self.flops_per_forward: int | None = None
         self.flops_per_train_forward: int | None = None
-        self._flops_resolution: tuple[int, int] | None = None
+        self._flops_resolution: tuple[int, ...] | None = None
         self.total_images = 0
+        self.total_videos = 0
         self._t0: float | None = None
 
     # -- hooks ------------------------------------------------------------------------------------
@@ -113,7 +119,7 @@ class RLThroughputMonitor(Callback):
         dtype = _compute_dtype(trainer, policy)
         self.peak_flops = available_flops(trainer.strategy.root_device, dtype, self.available_flops_override)
         if self.measure_flops and isinstance(policy, FlowPolicy):
-            self._measure(policy, image_size(pl_module))
+            self._measure(policy, image_size(pl_module), _frames(pl_module))
 
     @override
     def on_train_batch_start(
@@ -133,10 +139,15 @@ class RLThroughputMonitor(Callback):
         out = cast(StepOutput, as_mapping(outputs))  # any key may be missing: read with .get
         timings = {k: float(v) for k, v in as_mapping(out.get("timings")).items()}
         timings.setdefault("step", own_step_s)
-        num_images = _num_images(out)
+        num_samples = _num_images(out)
+        frames = int(out.get("frames_per_sample", 1))
+        # A video counts as its frames in the image keys; the video keys count videos.
+        num_images = None if num_samples is None else num_samples * frames
 
         metrics = _stage_metrics(timings, num_images)
-        metrics |= self._throughput(trainer, pl_module, timings["step"], num_images)
+        if frames > 1:
+            metrics |= _stage_metrics(timings, num_samples, per="timing_per_video_ms")
+        metrics |= self._throughput(trainer, pl_module, timings["step"], num_images, frames)
         metrics |= self._mfu(timings, as_mapping(out.get("transformer_forwards")))
         metrics |= self._memory(trainer)
         self._log(trainer, metrics)
@@ -147,6 +158,7 @@ class RLThroughputMonitor(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {
             "total_images": self.total_images,
+            "total_videos": self.total_videos,
             "flops_per_forward": self.flops_per_forward,
             "flops_per_train_forward": self.flops_per_train_forward,
             "flops_resolution": self._flops_resolution,
@@ -155,27 +167,36 @@ class RLThroughputMonitor(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.total_images = int(state_dict["total_images"])
+        self.total_videos = int(state_dict.get("total_videos", 0))
         self.flops_per_forward = state_dict.get("flops_per_forward")
         self.flops_per_train_forward = state_dict.get("flops_per_train_forward")
         resolution = state_dict.get("flops_resolution")
-        self._flops_resolution = None if resolution is None else (int(resolution[0]), int(resolution[1]))
+        self._flops_resolution = None if resolution is None else tuple(int(r) for r in resolution)
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def _measure(self, policy: FlowPolicy, resolution: tuple[int, int] | None) -> None:
+    def _measure(self, policy: FlowPolicy, resolution: tuple[int, int] | None, frames: int = 1) -> None:
         if resolution is None:
             raise ValueError(
                 "RLThroughputMonitor(measure_flops=True) needs the image size: the module has neither "
                 "sampler.height/width nor height/width; set measure_flops=false or give the module them"
             )
-        if self.flops_per_forward is not None and self._flops_resolution == resolution:
+        size = resolution if frames == 1 else (*resolution, frames)
+        if self.flops_per_forward is not None and self._flops_resolution == size:
             return  # restored from the checkpoint for this resolution
         # every rank runs it: under FSDP the forward all-gathers parameters collectively
-        self.flops_per_forward, self.flops_per_train_forward = measure_transformer_flops(policy, *resolution)
-        self._flops_resolution = resolution
+        self.flops_per_forward, self.flops_per_train_forward = measure_transformer_flops(
+            policy, *resolution, frames=frames
+        )
+        self._flops_resolution = size
 
     def _throughput(
-        self, trainer: Trainer, pl_module: LightningModule, step_s: float, num_images: int | None
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        step_s: float,
+        num_images: int | None,
+        frames: int = 1,
     ) -> dict[str, float]:
         # rank balance: one gather of (step seconds, images) per rank; -1 marks "not reported"
         local = torch.tensor(
@@ -206,6 +227,15 @@ class RLThroughputMonitor(Callback):
         }
         if t_step > 0:
             metrics["perf/throughput"] = images_per_gpu_per_second(total, t_step, world_size)
+        if frames > 1:
+            videos = total // frames
+            self.total_videos += videos
+            metrics |= {
+                "perf/total_num_videos": float(videos),
+                "perf/cumulative_num_videos": float(self.total_videos),
+            }
+            if t_step > 0:
+                metrics["perf/video_throughput"] = images_per_gpu_per_second(videos, t_step, world_size)
         return metrics
 
     def _mfu(self, timings: Mapping[str, float], forwards: Mapping[str, Any]) -> dict[str, float]:
@@ -255,11 +285,19 @@ def _num_images(out: StepOutput) -> int | None:
     return None
 
 
-def _stage_metrics(timings: Mapping[str, float], num_images: int | None) -> dict[str, float]:
-    metrics = {f"timing_s/{k}": v for k, v in timings.items()}
+def _stage_metrics(
+    timings: Mapping[str, float], num_images: int | None, per: str = "timing_per_image_ms"
+) -> dict[str, float]:
+    metrics = {} if per != "timing_per_image_ms" else {f"timing_s/{k}": v for k, v in timings.items()}
     if num_images:
-        metrics |= {f"timing_per_image_ms/{k}": 1000.0 * v / num_images for k, v in timings.items()}
+        metrics |= {f"{per}/{k}": 1000.0 * v / num_images for k, v in timings.items()}
     return metrics
+
+
+def _frames(pl_module: Any) -> int:
+    """Frames per sample the module draws (``pl_module.sampler.frames``; 1 for images)."""
+    frames = getattr(getattr(pl_module, "sampler", None), "frames", 1)
+    return frames if isinstance(frames, int) and frames >= 1 else 1
 
 
 def _should_log(trainer: Trainer, step: int) -> bool:
@@ -387,11 +425,13 @@ def model_flops_utilization(
     return flops_per_forward * num_forwards / (seconds * peak)
 
 
-def measure_transformer_flops(policy: FlowPolicy, height: int, width: int) -> tuple[int, int]:
+def measure_transformer_flops(
+    policy: FlowPolicy, height: int, width: int, frames: int = 1
+) -> tuple[int, int]:
     """FLOPs of one single-sample transformer forward, and of one forward plus backward.
 
     Counted by Lightning's ``measure_flops`` (torch's ``FlopCounterMode``) running
-    ``policy.flops_forward(height, width)`` on the policy's own device, once. The backward is counted
+    ``policy.flops_forward(height, width[, frames])`` on the policy's own device, once. The backward is counted
     as autograd runs it, so it is ×2 the forward for trainable layers (input and weight gradients),
     ×1 for frozen layers that still pass a gradient through, and nothing for frozen layers before the
     first trainable one: exact for a LoRA, where the usual 3×forward rule overstates the work.
@@ -405,7 +445,10 @@ def measure_transformer_flops(policy: FlowPolicy, height: int, width: int) -> tu
     """
     transformer = policy.transformer
     policy.encode_prompts([""])
-    forward = policy.flops_forward(height, width)
+    # An image policy's flops_forward may take (height, width) alone.
+    forward = (
+        policy.flops_forward(height, width) if frames == 1 else policy.flops_forward(height, width, frames)
+    )
     # Compiled blocks (--model.init_args.performance.compile_blocks) must run eagerly here: a first call of a
     # compiled module under FlopCounterMode leaves it uncompiled for the rest of the run.
     set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6

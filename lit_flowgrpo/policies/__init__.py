@@ -8,5 +8,6 @@ from lit_flowgrpo.policies.flux import FluxPolicy
 from lit_flowgrpo.policies.packed import PackedLatentPolicy
 from lit_flowgrpo.policies.qwenimage import QwenImagePolicy
 from lit_flowgrpo.policies.sd3 import SD3Policy
+from lit_flowgrpo.policies.wan import WanPolicy
 
-__all__ = ["FlowPolicy", "FluxPolicy", "PackedLatentPolicy", "QwenImagePolicy", "SD3Policy"]
+__all__ = ["FlowPolicy", "FluxPolicy", "PackedLatentPolicy", "QwenImagePolicy", "SD3Policy", "WanPolicy"]

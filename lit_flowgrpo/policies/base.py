@@ -33,6 +33,9 @@ Embeds = dict[str, Tensor]
 
 DType = Literal["float32", "bfloat16", "float16"]
 
+Modality = Literal["image", "video"]
+"""What a policy's :meth:`FlowPolicy.decode` returns: ``"image"`` (B, 3, H, W) or ``"video"`` (B, F, 3, H, W)."""
+
 #: The attention projections of an MMDiT joint block (SD3, FLUX): image stream and text stream.
 MMDIT_ATTENTION_PROJECTIONS = (
     "attn.to_q",
@@ -48,10 +51,11 @@ MMDIT_ATTENTION_PROJECTIONS = (
 #: The sampler settings an image size comes from; :meth:`FlowPolicy.image_size_problems` names them.
 HEIGHT_FLAG = "--model.init_args.sampler.height"
 WIDTH_FLAG = "--model.init_args.sampler.width"
+FRAMES_FLAG = "--model.init_args.sampler.frames"
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 # Where lit_flowgrpo.tiny's builders put their pipelines by default (`python -m lit_flowgrpo.tiny.<family>`).
-_TINY_FOLDER = re.compile(r"(?:^|/)\.tiny_models/(sd3|flux|qwenimage)/?$")
+_TINY_FOLDER = re.compile(r"(?:^|/)\.tiny_models/(sd3|flux|qwenimage|wan)/?$")
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -234,6 +238,26 @@ class FlowPolicy(nn.Module, ABC):
     image_size_multiple: int = 1
     #: Why: completes "... must be a positive multiple of N for <policy>: ...".
     image_size_reason: str = ""
+    #: ``"image"``: :meth:`decode` returns (B, 3, H, W) and :meth:`latent_shape` takes (height, width);
+    #: ``"video"``: (B, F, 3, H, W), and :meth:`latent_shape` takes (height, width, frames) too.
+    modality: Modality = "image"
+
+    @property
+    def trainable_networks(self) -> tuple[nn.Module, ...]:
+        """The denoising networks the update trains, :attr:`transformer` first (one for every family
+        but Wan 2.2 A14B, whose two experts each take a part of the noise levels)."""
+        return (self.transformer,)
+
+    def frame_problems(self, frames: int, flag: str = FRAMES_FLAG) -> list[str]:
+        """Problems with a frame count for this family, found before :meth:`load` (empty when fine).
+
+        An image family draws one frame; video families override this with their own rule."""
+        if self.modality == "image" and frames != 1:
+            return [
+                f"{flag} ({frames!r}) must be 1 for {type(self).__name__}, an image model: set it to 1, or "
+                "choose a video policy"
+            ]
+        return []
 
     def problems(self) -> list[str]:
         """Configuration problems found without loading anything (empty when fine)."""
@@ -289,7 +313,7 @@ class FlowPolicy(nn.Module, ABC):
 
     @abstractmethod
     def decode(self, latents: Tensor) -> Tensor:
-        """Images (B, 3, H, W), fp32 in [0, 1]."""
+        """Images (B, 3, H, W), or videos (B, F, 3, H, W) for a video :attr:`modality`; fp32 in [0, 1]."""
 
     @abstractmethod
     def sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
@@ -297,7 +321,8 @@ class FlowPolicy(nn.Module, ABC):
 
     @abstractmethod
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        """Per-sample latent shape for an image of ``height`` x ``width`` pixels."""
+        """Per-sample latent shape for an image of ``height`` x ``width`` pixels. A video policy takes
+        a third argument, ``frames``; call :func:`latent_shape_of` to serve both."""
 
     def attention_shape(self, height: int, width: int) -> AttentionShape | None:
         """The transformer's joint attention at this image size (heads, head dim, text + image
@@ -335,13 +360,13 @@ class FlowPolicy(nn.Module, ABC):
             transformer_lora_adapter_metadata=adapter_metadata,
         )
 
-    def flops_forward(self, height: int, width: int) -> Callable[[], Tensor]:
+    def flops_forward(self, height: int, width: int, frames: int = 1) -> Callable[[], Tensor]:
         """A closure running one single-sample, no-CFG transformer forward (for FLOP counting).
 
         Policies override this when the default (encode an empty prompt, random latents) does not
         fit their layout.
         """
-        shape = self.latent_shape(height, width)
+        shape = latent_shape_of(self, height, width, frames)
         device = next(self.transformer.parameters()).device
 
         def forward() -> Tensor:
@@ -350,3 +375,39 @@ class FlowPolicy(nn.Module, ABC):
             return self.velocity(latents, torch.full((1,), 0.5, device=device), embeds, 1.0)
 
         return forward
+
+
+def latent_shape_of(policy: FlowPolicy, height: int, width: int, frames: int = 1) -> tuple[int, ...]:
+    """The per-sample latent shape of a sample of ``frames`` frames of ``height`` x ``width`` pixels:
+    ``policy.latent_shape(height, width, frames)`` for a video policy, ``(height, width)`` for an image
+    policy (whose signature has no frames; one frame is all it draws)."""
+    if getattr(policy, "modality", "image") == "video":
+        return tuple(policy.latent_shape(height, width, frames))  # type: ignore[call-arg]
+    if frames != 1:
+        raise ValueError(FlowPolicy.frame_problems(policy, frames)[0])
+    return tuple(policy.latent_shape(height, width))
+
+
+def reward_modality_problems(policy: Any, reward: Any, flag: str = "--model.init_args.reward") -> list[str]:
+    """The rewards that cannot score what ``policy`` draws (empty when all can).
+
+    A reward declares what it scores in ``modalities`` (a set of ``"image"``, ``"video"``); one that
+    declares nothing scores images. The components of a :class:`~lit_flowgrpo.rewards.MultiReward`
+    (its ``rewards`` mapping) are checked one by one, each by its name.
+    """
+    modality = getattr(policy, "modality", "image")
+    parts = getattr(reward, "rewards", None)
+    named = dict(parts) if isinstance(parts, dict) else {type(reward).__name__: reward}
+    out = []
+    for name, part in named.items():
+        if modality not in getattr(part, "modalities", {"image"}):
+            fix = (
+                "wrap it in lit_flowgrpo.rewards.video.PerFrame (which scores each frame and averages)"
+                if modality == "video"
+                else "choose a reward that scores images"
+            )
+            out.append(
+                f"{flag}: the reward {name!r} ({type(part).__name__}) cannot score the {modality}s "
+                f"{type(policy).__name__} draws: {fix}"
+            )
+    return out

@@ -7,6 +7,7 @@ miniature pipelines in code, `save_pretrained` them to a folder and load them th
     python -m lit_flowgrpo.tiny.sd3 .tiny_models/sd3
     python -m lit_flowgrpo.tiny.flux .tiny_models/flux
     python -m lit_flowgrpo.tiny.qwenimage .tiny_models/qwenimage
+    python -m lit_flowgrpo.tiny.wan .tiny_models/wan            (a14b: .tiny_models/wan22_a14b a14b)
 """
 
 from lit_flowgrpo.tiny.tokenizers import clip_tokenizer, t5_tokenizer

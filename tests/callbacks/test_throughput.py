@@ -299,3 +299,32 @@ def test_throughput_monitor_two_gloo_ranks(tmp_path: Any) -> None:
     assert metrics["perf/throughput"] == 5 / (2.0 * 2)
     assert (metrics["global_num_images/min"], metrics["global_num_images/max"]) == (2.0, 3.0)
     assert metrics["global_step_time_s/minmax_diff"] == 1.0
+
+
+def test_throughput_monitor_counts_a_video_as_its_frames_and_as_one_video(tmp_path: Any) -> None:
+    """frames_per_sample F: the image keys count frames (B·F), the video keys count videos (B); the
+    FLOP count runs one forward at the sampler's frame count."""
+    logger = RecordingLogger()
+    measured = mock.Mock(return_value=(7, 21))
+    model = SamplerSized(
+        [{"num_images": 4, "frames_per_sample": 33, "timings": {"gen": 2.0, "step": 4.0}}] * 2
+    )
+    model.sampler.frames = 33
+    monitor = RLThroughputMonitor(available_flops=1e6)
+    with mock.patch.object(throughput, "measure_transformer_flops", measured):
+        trainer(tmp_path, [monitor], logger=logger, limit_train_batches=2).fit(model, loader(2))
+    assert measured.call_args.args[1:] == (24, 40) and measured.call_args.kwargs == {"frames": 33}
+    (_, first), (_, second) = logger.calls
+    assert first["perf/total_num_images"] == 4 * 33 and first["perf/throughput"] == 4 * 33 / 4.0
+    assert first["perf/total_num_videos"] == 4 and first["perf/video_throughput"] == 4 / 4.0
+    assert first["timing_per_image_ms/gen"] == pytest.approx(1000 * 2.0 / (4 * 33), rel=1e-12)
+    assert first["timing_per_video_ms/gen"] == 1000 * 2.0 / 4
+    assert second["perf/cumulative_num_videos"] == 8 and second["perf/cumulative_num_images"] == 8 * 33
+    assert monitor.state_dict()["flops_resolution"] == (24, 40, 33)
+    # Images (F = 1) keep their keys and meaning, and log no video key.
+    logger = RecordingLogger()
+    trainer(tmp_path, [RLThroughputMonitor(measure_flops=False)], logger=logger, limit_train_batches=1).fit(
+        StandIn([{"num_images": 4, "frames_per_sample": 1, "timings": {"step": 2.0}}]), loader(1)
+    )
+    (_, metrics), *_ = logger.calls
+    assert metrics["perf/throughput"] == 2.0 and not any("video" in k for k in metrics)

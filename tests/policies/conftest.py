@@ -6,6 +6,7 @@ import pytest
 
 from lit_flowgrpo.tiny.flux import build_tiny_flux
 from lit_flowgrpo.tiny.qwenimage import build_tiny_qwenimage
+from lit_flowgrpo.tiny.wan import build_tiny_wan
 
 
 @pytest.fixture(scope="session")
@@ -16,3 +17,9 @@ def tiny_flux_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwenimage_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_qwenimage(tmp_path_factory.mktemp("tiny_qwenimage"))
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Tiny Wan 2.1, Wan 2.2 A14B (two experts) and TI2V-style (expanded timesteps) pipelines."""
+    return {v: build_tiny_wan(tmp_path_factory.mktemp(f"tiny_wan_{v}"), v) for v in ("2.1", "a14b", "ti2v")}
