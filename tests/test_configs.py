@@ -20,7 +20,6 @@ import torch
 import yaml
 
 from lit_flowgrpo.cli import FlowGRPOCLI
-from lit_flowgrpo.rewards.base import register_reward
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "configs"
@@ -309,7 +308,12 @@ def test_recipe_matches_its_source(name: str) -> None:
         assert update["train_cfg"] == want["train_cfg"]
     if "sde_window_size" not in want:
         assert sampler["timestep_fraction"] == 0.99
-    assert list(model["reward"]["init_args"]["weights"]) == [want["reward"]]
+    weights = model["reward"]["init_args"]["weights"]
+    if "frames" in want:  # a video recipe scores its frames with the image reward
+        assert list(weights) == ["per_frame"]
+        assert model["reward"]["init_args"]["config"]["per_frame"]["reward"] == want["reward"]
+    else:
+        assert list(weights) == [want["reward"]]
     # the measured fast path on GPUs; Qwen-Image's causal video decoder was not measured compiled
     # (nor Wan's causal video decoder)
     fast = (
@@ -324,10 +328,8 @@ def test_recipe_matches_its_source(name: str) -> None:
     assert callbacks["TrainableEMA"] == {"decay": 0.9, "update_every": 8}
     assert callbacks["LearningRateMonitor"] == {"logging_interval": "step"}
     assert callbacks["ModelCheckpoint"]["save_last"] is True
-    # Video recipes log no image grid (video logging is its own callback).
-    assert {"RLThroughputMonitor"} | ({"SampleImageLogger"} if "frames" not in want else set()) <= set(
-        callbacks
-    )
+    # Video recipes log their samples as videos through the same callback.
+    assert {"RLThroughputMonitor", "SampleImageLogger"} <= set(callbacks)
     # Checkpoints land on whole rollouts: every_n_train_steps counts optimizer steps.
     assert callbacks["ModelCheckpoint"]["every_n_train_steps"] % update["optimizer_steps_per_rollout"] == 0
     assert trainer["logger"]["class_path"] == "lightning.pytorch.loggers.WandbLogger"
@@ -367,20 +369,6 @@ def tiny_wan_a14b_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_wan(tmp_path_factory.mktemp("cfg_tiny_wan_a14b"), "a14b")
 
 
-@register_reward("tiny_video_jpeg")
-class TinyVideoJpeg:
-    """JPEG compressibility averaged over a video's frames: a video reward that needs no weights."""
-
-    modalities = frozenset({"image", "video"})
-
-    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
-        from lit_flowgrpo.rewards.jpeg import jpeg_size_kb
-
-        if images.dim() == 4:
-            return -jpeg_size_kb(images)
-        return torch.stack([-jpeg_size_kb(video).mean() for video in images])
-
-
 def _tiny_run_config(cfg: dict[str, Any], pretrained: str, prompts: str, root: Path) -> dict[str, Any]:
     """The recipe, shrunk to one CPU rollout: 2 prompts x 4 samples at 32 px, tiny step counts,
     JPEG compressibility in place of rewards that need weights or a server, a CSV logger for W&B."""
@@ -410,8 +398,12 @@ def _tiny_run_config(cfg: dict[str, Any], pretrained: str, prompts: str, root: P
     policy = model["policy"]["init_args"]
     policy.update(pretrained=pretrained, max_sequence_length=16)
     video = model["sampler"].get("frames", 1) > 1
-    reward = "tiny_video_jpeg" if video else "jpeg_compressibility"
-    model["reward"]["init_args"] = {"weights": {reward: 1.0}}
+    model["reward"]["init_args"] = {"weights": {"jpeg_compressibility": 1.0}}
+    if video:  # the recipe's own wrapper, around a reward that needs no weights
+        model["reward"]["init_args"] = {
+            "weights": {"per_frame": 1.0},
+            "config": {"per_frame": {"reward": "jpeg_compressibility", "reduce": "mean"}},
+        }
     window = model["sampler"].get("sde_window_range")
     model["sampler"].update(height=32, width=32, num_steps=window[1] if window else 3, eval_num_steps=2)
     if video:
@@ -464,6 +456,9 @@ def test_recipe_runs_one_rollout_on_cpu(
         networks = module.policy.trainable_networks
         assert len(networks) == (2 if "a14b" in name else 1)
         assert all(any(p.requires_grad for p in n.parameters()) for n in networks)
+        # No video logger is configured here (CSV): the samples land on disk as captioned GIFs.
+        gifs = list(tmp_path.rglob("train*_step*.gif"))
+        assert gifs, f"no sample GIF under {tmp_path}: {[p.name for p in tmp_path.rglob('*')]}"
         return
     grids = list(tmp_path.rglob("train*_step*.png"))
     assert grids, f"no sample grid under {tmp_path}: {[p.name for p in tmp_path.rglob('*')]}"
