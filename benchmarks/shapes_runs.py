@@ -149,6 +149,7 @@ EXTRA_KEYS = (
 )
 
 HELD_OUT = "val-core/shapes/strict/mean@1"
+KL = "actor/kl_loss"
 PROXY = "critic/rewards/shapes/strict/mean"
 STEP_TIME = "perf/time_per_step"
 
@@ -374,7 +375,8 @@ def _plot_panels(runs: list[dict], labels: list[str], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [HELD_OUT] + [k for k in EXTRA_KEYS if k.startswith("val") and any(k in r["extra"] for r in runs)]
+    logged = [k for k in EXTRA_KEYS if any(k in r["extra"] for r in runs)]
+    keys = [HELD_OUT] + [k for k in logged if k.startswith("val") or k == KL]
     cols = 2
     rows = (len(keys) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.6 * rows), squeeze=False)
@@ -387,12 +389,16 @@ def _plot_panels(runs: list[dict], labels: list[str], path: Path) -> None:
             if not series:
                 continue
             common = sorted(set.intersection(*(set(x) for x in series)))
+            if key == KL:
+                common = [k for k in common if all(x[k] > 0 for x in series)]
             mean = [statistics.mean(x[k] for x in series) for k in common]
             c = colours[i % len(colours)]
             lo = [min(x[k] for x in series) for k in common]
             hi = [max(x[k] for x in series) for k in common]
             ax.fill_between(common, lo, hi, color=c, alpha=0.15, linewidth=0)
             ax.plot(common, mean, "o-", color=c, markersize=3, label=f"{label} ({len(series)} seeds)")
+        if key == KL:  # per rollout, over orders of magnitude (0 before the first step: left out)
+            ax.set_yscale("log")
         ax.set_title(key if key != HELD_OUT else f"{key} (gold)", fontsize=9)
         ax.set_xlabel("rollouts")
         ax.grid(alpha=0.3)
