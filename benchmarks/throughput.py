@@ -14,6 +14,17 @@ compared with the eager baseline of the same run.
     python benchmarks/throughput.py --model qwenimage --rollout-only
     # the CPU smoke run the tests use (tiny configs, seconds)
     python benchmarks/throughput.py --tiny --out tiny_results
+    # Wan 2.1 T2V 1.3B, 480x832, 33 frames: 4 videos of 8 steps, 2 of them trained, CFG 4.5 in rollout
+    # and update (1 video = a CFG pair per update forward), the update's blocks checkpointed
+    python benchmarks/throughput.py --model wan1p3b --resolution 480 --width 832 --frames 33 \
+        --record-dtype bfloat16 --num-steps 8 --sde-window-size 2 --prompts 1 --group 4 --micro-batch 1 \
+        --variants activation_checkpointing --no-fast
+
+Videos (``--frames`` > 1, ``--model wan1p3b``): ``images_per_gpu_s`` and the ``ms_per_image`` stages count
+frames (the callback's ``perf/throughput``), ``videos_per_gpu_s`` and ``ms_per_video`` count videos
+(``perf/video_throughput``, ``timing_per_video_ms/<stage>``), and ``flops_per_image_forward`` is one
+video's forward. The UMT5 states are random rows of the padded 512 tokens; the VAE is float32, as
+the recipe keeps it; a brightness reward (the mean over the frames).
     # the step with a reward of real cost, scored after the rollout and beside it
     python benchmarks/throughput.py --model sd35m --variants compile --no-fast \
         --reward pickscore_sized --reward-overlap both
@@ -34,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -62,10 +74,11 @@ from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModul
 from lit_flowgrpo.callbacks import RLThroughputMonitor, available_flops
 from lit_flowgrpo.objective import DiffusionNFT, FlowDPPO, Objective
 from lit_flowgrpo.performance import PerformanceSettings
-from lit_flowgrpo.policies.base import Embeds
+from lit_flowgrpo.policies.base import Embeds, resolve_dtype
 from lit_flowgrpo.policies.flux import FluxPolicy
 from lit_flowgrpo.policies.qwenimage import QwenImagePolicy
 from lit_flowgrpo.policies.sd3 import SD3Policy
+from lit_flowgrpo.policies.wan import WanPolicy
 from lit_flowgrpo.rewards import MultiReward
 
 # --------------------------------------------------------------------------------------------------
@@ -88,9 +101,22 @@ _SD3_VAE = dict(
     mid_block_add_attention=True,
 )
 
-# Qwen-Image's VAE normalises each latent channel by these (vae/config.json).
-_QWEN_LATENTS_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]  # fmt: skip
-_QWEN_LATENTS_STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.916]  # fmt: skip
+# Wan 2.1's causal video VAE (Wan-AI/Wan2.1-T2V-1.3B-Diffusers vae/config.json, AutoencoderKLWan):
+# 8x in space, 4x in time, 16 latent channels normalised by these. Qwen-Image's VAE is the same
+# network with the same config (Qwen/Qwen-Image vae/config.json, AutoencoderKLQwenImage).
+_WAN_LATENTS_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]  # fmt: skip
+_WAN_LATENTS_STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.916]  # fmt: skip
+_WAN_VAE = dict(
+    base_dim=96,
+    z_dim=16,
+    dim_mult=[1, 2, 4, 4],
+    num_res_blocks=2,
+    attn_scales=[],
+    temperal_downsample=[False, True, True],
+    dropout=0.0,
+    latents_mean=_WAN_LATENTS_MEAN,
+    latents_std=_WAN_LATENTS_STD,
+)
 
 SPECS: dict[str, dict[str, Any]] = {
     # stabilityai/stable-diffusion-3.5-medium
@@ -156,17 +182,7 @@ SPECS: dict[str, dict[str, Any]] = {
             guidance_embeds=False,
             axes_dims_rope=(16, 56, 56),
         ),
-        vae=dict(
-            base_dim=96,
-            z_dim=16,
-            dim_mult=[1, 2, 4, 4],
-            num_res_blocks=2,
-            attn_scales=[],
-            temperal_downsample=[False, True, True],
-            dropout=0.0,
-            latents_mean=_QWEN_LATENTS_MEAN,
-            latents_std=_QWEN_LATENTS_STD,
-        ),
+        vae=_WAN_VAE,
         scheduler=dict(
             num_train_timesteps=1000,
             shift=1.0,
@@ -180,6 +196,37 @@ SPECS: dict[str, dict[str, Any]] = {
         ),
         # A prompt after the chat template's prefix is tens of tokens; 128 is a long one.
         text=dict(tokens=128, dim=3584),
+    ),
+    # Wan-AI/Wan2.1-T2V-1.3B-Diffusers: transformer 30 blocks of 12 x 128 = 1536 wide; UniPC flow
+    # schedule (its scheduler_config.json: flow_shift 3.0); UMT5-XXL states padded to 512 tokens.
+    "wan1p3b": dict(
+        family="wan",
+        transformer=dict(
+            patch_size=(1, 2, 2),
+            num_attention_heads=12,
+            attention_head_dim=128,
+            in_channels=16,
+            out_channels=16,
+            text_dim=4096,
+            freq_dim=256,
+            ffn_dim=8960,
+            num_layers=30,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            eps=1e-6,
+            rope_max_seq_len=1024,
+        ),
+        vae=_WAN_VAE,
+        scheduler_class="UniPCMultistepScheduler",
+        scheduler=dict(
+            num_train_timesteps=1000,
+            prediction_type="flow_prediction",
+            use_flow_sigmas=True,
+            flow_shift=3.0,
+            solver_order=2,
+            final_sigmas_type="zero",
+        ),
+        text=dict(tokens=512, dim=4096),
     ),
 }
 
@@ -250,6 +297,36 @@ TINY: dict[str, dict[str, Any]] = {
 }
 
 
+def tiny_spec(model: str) -> dict[str, Any]:
+    """The tiny config of ``model`` for the CPU smoke run: :data:`TINY`'s, and for Wan the configs of
+    the tiny pipeline the tests build (:mod:`lit_flowgrpo.tiny.wan`), so that they live once."""
+    return _tiny_wan_spec() if SPECS[model]["family"] == "wan" else TINY[model]
+
+
+@functools.cache
+def _tiny_wan_spec() -> dict[str, Any]:
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+
+    from lit_flowgrpo.tiny.wan import build_tiny_wan
+
+    def init_args(config: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in config.items() if not k.startswith("_")}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_tiny_wan(tmp)
+        transformer = init_args(WanTransformer3DModel.load_config(path, subfolder="transformer"))
+        vae = init_args(AutoencoderKLWan.load_config(path, subfolder="vae"))
+        scheduler = UniPCMultistepScheduler.load_config(path, subfolder="scheduler")
+    return dict(
+        SPECS["wan1p3b"],
+        transformer=transformer,
+        vae=vae,
+        scheduler_class=scheduler["_class_name"],
+        scheduler=init_args(scheduler),
+        text=dict(tokens=8, dim=transformer["text_dim"]),
+    )
+
+
 @contextmanager
 def _building_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
     """Modules built inside get their (random) weights directly on ``device`` in ``dtype``: a 20B
@@ -284,13 +361,19 @@ class _RandomWeights:
     def problems(self) -> list[str]:
         return []  # nothing to read from disk
 
-    def _build(self, transformer_cls: type, vae_cls: type) -> tuple[nn.Module, nn.Module, Any]:
-        from diffusers import FlowMatchEulerDiscreteScheduler
+    def _build(
+        self, transformer_cls: type, vae_cls: type, vae_dtype: torch.dtype | None = None
+    ) -> tuple[nn.Module, nn.Module, Any]:
+        import diffusers
 
+        scheduler_cls = getattr(
+            diffusers, self.spec.get("scheduler_class", "FlowMatchEulerDiscreteScheduler")
+        )
         with _building_on(self.build_device, self.build_dtype):
             transformer = _frozen(transformer_cls(**self.spec["transformer"]))
+        with _building_on(self.build_device, vae_dtype or self.build_dtype):
             vae = _frozen(vae_cls(**self.spec["vae"]))
-        return transformer, vae, FlowMatchEulerDiscreteScheduler(**self.spec["scheduler"])
+        return transformer, vae, scheduler_cls(**self.spec["scheduler"])
 
 
 class BenchSD3Policy(_RandomWeights, SD3Policy):
@@ -377,7 +460,39 @@ class BenchQwenImagePolicy(_RandomWeights, QwenImagePolicy):
         return {"prompt_embeds": _random_rows(prompt, (1, tokens, text["dim"]), device, dtype)}
 
 
-POLICIES = {"sd3": BenchSD3Policy, "flux": BenchFluxPolicy, "qwenimage": BenchQwenImagePolicy}
+class BenchWanPolicy(_RandomWeights, WanPolicy):
+    """:class:`WanPolicy` on random weights from the config; UMT5 states are random rows of the padded
+    length (the pipeline pads every prompt to ``max_sequence_length``, so the cross-attention costs
+    the same whatever the prompt). The VAE in the policy's ``vae_dtype`` (float32, as the recipe)."""
+
+    def __init__(self, spec: dict[str, Any], device: str, dtype: str = "bfloat16") -> None:
+        WanPolicy.__init__(self, "random/wan", dtype=dtype, max_sequence_length=spec["text"]["tokens"])
+        self._setup(spec, device, dtype)
+
+    def load(self) -> None:
+        if self.pipe is not None:
+            return
+        from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+
+        transformer, vae, scheduler = self._build(
+            WanTransformer3DModel, AutoencoderKLWan, resolve_dtype(self.vae_dtype_name)
+        )
+        none = dict.fromkeys(("text_encoder", "tokenizer"))
+        self.pipe = WanPipeline(transformer=transformer, vae=vae, scheduler=scheduler, **none)
+        self.pipe.set_progress_bar_config(disable=True)
+        self._transformer, self.vae, self.text_encoder = transformer, vae, None
+
+    def _encode_one(self, prompt: str) -> Embeds:
+        text, device, dtype = self.spec["text"], self.build_device, self.build_dtype
+        return {"prompt_embeds": _random_rows(prompt, (1, text["tokens"], text["dim"]), device, dtype)}
+
+
+POLICIES = {
+    "sd3": BenchSD3Policy,
+    "flux": BenchFluxPolicy,
+    "qwenimage": BenchQwenImagePolicy,
+    "wan": BenchWanPolicy,
+}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -386,8 +501,12 @@ POLICIES = {"sd3": BenchSD3Policy, "flux": BenchFluxPolicy, "qwenimage": BenchQw
 
 
 def brightness(images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
-    """A reward computed on the GPU at no cost, so the step measures the RL machinery alone."""
-    return images.float().mean(dim=(1, 2, 3))
+    """A reward computed on the GPU at no cost, so the step measures the RL machinery alone; a video's
+    is the mean over its frames."""
+    return images.float().flatten(1).mean(1)
+
+
+brightness.modalities = frozenset({"image", "video"})  # type: ignore[attr-defined]
 
 
 #: PickScore's model: CLIP ViT-H/14 (laion/CLIP-ViT-H-14-laion2B-s32B-b79K, config.json), and a tiny
@@ -634,6 +753,18 @@ def variants(micro_batch: int) -> list[Variant]:
             dataclasses.replace(compiled, rollout_merged_lora=True),
             rollout_batch_size=micro_batch,
         ),
+        # Video sizes: a CFG pair of Wan 2.1 1.3B at 480x832 keeps ~78 GB (33 frames) or ~180 GB (81
+        # frames) of activations for the update's backward; recomputing each block keeps ~1/15 of it.
+        Variant(
+            "activation_checkpointing",
+            "bf16 compute, whole-batch rollout, each transformer block recomputed in the update's backward",
+            dataclasses.replace(bf16, activation_checkpointing=True),
+        ),
+        Variant(
+            "compile_activation_checkpointing",
+            "activation_checkpointing + torch.compile of each transformer block",
+            PerformanceSettings(compile_blocks=True, activation_checkpointing=True),
+        ),
     ]
 
 
@@ -711,13 +842,23 @@ def _import_path(filename: str) -> str:
     return os.path.relpath(path, min(roots, key=len)) if roots else os.path.basename(path)
 
 
+def _peak(rows: list[dict[str, float]], key: str) -> float | None:
+    return max((r[key] for r in rows if key in r), default=None)
+
+
 def _median(rows: list[dict[str, float]], key: str) -> float | None:
     values = [r[key] for r in rows if key in r and math.isfinite(r[key])]
     return statistics.median(values) if values else None
 
 
-def summarise(rows: dict[int, dict[str, float]], warmup: int, steps: int) -> dict[str, Any]:
-    """Medians over the measured steps of the callback's keys; the ratio check over every step."""
+_STAGES = ("gen", "reward", "adv", "update_actor", "step")
+
+
+def summarise(rows: dict[int, dict[str, float]], warmup: int, steps: int, frames: int = 1) -> dict[str, Any]:
+    """Medians over the measured steps of the callback's keys; the ratio check over every step.
+
+    Videos (``frames`` > 1): the image keys count frames (``images_per_gpu_s`` is frames/GPU/s, as the
+    callback's ``perf/throughput``), and the ``video`` keys count videos."""
     ordered = [rows[s] for s in sorted(k for k in rows if k >= 0)]
     measured = ordered[warmup : warmup + steps]
     out: dict[str, Any] = {
@@ -725,15 +866,16 @@ def summarise(rows: dict[int, dict[str, float]], warmup: int, steps: int) -> dic
         "step_s": _median(measured, "perf/time_per_step"),
         "mfu_infer": _median(measured, "perf/mfu/actor_infer"),
         "mfu_actor": _median(measured, "perf/mfu/actor"),
-        "peak_memory_gb": max(
-            (r["perf/max_memory_allocated_gb"] for r in ordered if "perf/max_memory_allocated_gb" in r),
-            default=None,
-        ),
-        "ms_per_image": {
-            stage: _median(measured, f"timing_per_image_ms/{stage}")
-            for stage in ("gen", "reward", "adv", "update_actor", "step")
-        },
+        "peak_memory_gb": _peak(ordered, "perf/max_memory_allocated_gb"),
+        "peak_reserved_gb": _peak(ordered, "perf/max_memory_reserved_gb"),
+        "ms_per_image": {stage: _median(measured, f"timing_per_image_ms/{stage}") for stage in _STAGES},
     }
+    if frames > 1:
+        out |= {
+            "frames_per_gpu_s": out["images_per_gpu_s"],
+            "videos_per_gpu_s": _median(measured, "perf/video_throughput"),
+            "ms_per_video": {stage: _median(measured, f"timing_per_video_ms/{stage}") for stage in _STAGES},
+        }
     # The reward: the step's wait for it after the rollout (its stage), and its own compute time.
     shares = [r["timing_s/reward"] / r["timing_s/step"] for r in measured if r.get("timing_s/step")]
     out["reward_share"] = statistics.median(shares) if shares else None
@@ -776,7 +918,7 @@ def run_training(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``warmup + steps`` full training steps (rollout, reward, advantages, update) under a Trainer."""
     _free()
-    res = args.resolution
+    size = _sample_settings(args)
     if variant.fast:
         # flow_grpo's pickscore_sd3_fast_nocfg: CPS noise 0.8 in a window of 3 steps starting in
         # [0, 2], no CFG in rollout or update, clip 1e-5.
@@ -788,23 +930,26 @@ def run_training(
             guidance_scale=1.0,
             sde_window_size=window,
             sde_window_range=(0, max(args.num_steps // 2, window)),
-            height=res,
-            width=res,
             batch_size=variant.rollout_batch_size,
+            **size,
         )
         objective, train_cfg = FlowGRPO(clip_range=1e-5, kl_coef=0.0), False
     else:
         # DiffusionNFT trains and samples CFG-free (its rollout runs the old policy at guidance 1);
         # the ratio objectives take CFG 4.5 in rollout and update, as flow_grpo's SD3 recipe.
+        # --sde-window-size: only that many steps (in the first half) are stochastic and trained, so
+        # that a video step's update fits the time of one benchmark call.
         nft = args.objective == "diffusion_nft"
+        window = args.sde_window_size
         sampler = Sampler(
             num_steps=args.num_steps,
             noise_level=0.7,
             guidance_scale=1.0 if nft else 4.5,
             timestep_fraction=0.99,
-            height=res,
-            width=res,
+            sde_window_size=window,
+            sde_window_range=None if window is None else (0, max(args.num_steps // 2, window)),
             batch_size=variant.rollout_batch_size,
+            **size,
         )
         objective, train_cfg = OBJECTIVES[args.objective](), not nft
     weights, built = rewards
@@ -850,7 +995,7 @@ def run_training(
         start = time.perf_counter()
         trainer.fit(module, datamodule=data)
         wall = time.perf_counter() - start
-    result = summarise(logger.rows, args.warmup, args.steps)
+    result = summarise(logger.rows, args.warmup, args.steps, size["frames"])
     if result["reward_compute_s"] is not None:
         result["reward_compute_ms_per_image"] = (
             1000 * result["reward_compute_s"] / (args.prompts * args.group)
@@ -879,14 +1024,14 @@ def run_rollout(spec: dict[str, Any], variant: Variant, args: argparse.Namespace
     _free()
     from lightning.fabric.utilities.throughput import measure_flops
 
-    res = args.resolution
+    size = _sample_settings(args)
     family = spec["family"]
     policy = POLICIES[family](spec, args.device, args.dtype)
-    guidance = {"sd3": 4.5, "flux": 3.5, "qwenimage": 4.0}[family]
+    guidance = {"sd3": 4.5, "flux": 3.5, "qwenimage": 4.0, "wan": 4.5}[family]
     module = FlowGRPOModule(
         policy=policy,
         reward=brightness,
-        sampler=Sampler(num_steps=args.num_steps, guidance_scale=guidance, height=res, width=res),
+        sampler=Sampler(num_steps=args.num_steps, guidance_scale=guidance, **size),
         lora=LoraSettings(),  # the family's default rank and targets
         performance=variant.performance,
     )
@@ -907,15 +1052,20 @@ def run_rollout(spec: dict[str, Any], variant: Variant, args: argparse.Namespace
         times.append(time.perf_counter() - t)
     t_rollout = statistics.median(times[args.warmup :])
     with torch.no_grad():
-        flops = measure_flops(policy.transformer, policy.flops_forward(res, res))
+        forward = (
+            policy.flops_forward(size["height"], size["width"])
+            if size["frames"] == 1
+            else policy.flops_forward(size["height"], size["width"], size["frames"])
+        )
+        flops = measure_flops(policy.transformer, forward)
     peak = available_flops(device, torch.bfloat16) if device.type == "cuda" else None
     forwards = n * args.num_steps * rows
     result = {
         "name": variant.name,
         "what": variant.what,
         "performance": dataclasses.asdict(variant.performance),
-        "images_per_gpu_s": n / t_rollout,
-        "rollout_ms_per_image": 1000 * t_rollout / n,
+        "images_per_gpu_s": n * size["frames"] / t_rollout,
+        "rollout_ms_per_image": 1000 * t_rollout / (n * size["frames"]),
         "flops_per_image_forward": flops,
         "mfu_infer": flops * forwards / (t_rollout * peak) if peak else None,
         "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
@@ -924,6 +1074,11 @@ def run_rollout(spec: dict[str, Any], variant: Variant, args: argparse.Namespace
     del module, policy
     _free()
     return result
+
+
+def _sample_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampler's height, width, frames and record dtype of this run."""
+    return dict(height=args.height, width=args.width, frames=args.frames, record_dtype=args.record_dtype)
 
 
 def _sync(device: torch.device) -> None:
@@ -948,7 +1103,13 @@ def table(result: dict[str, Any]) -> str:
     """The markdown table of one results file."""
     base = result.get("baseline_images_per_gpu_s")
     first = result["variants"][0]["name"] if result["variants"] else "first"
-    lines = [f"### {result['config']} on {result['device_name']} (1 GPU), {result['resolution']} px", ""]
+    height, width, frames = result["resolution"], result.get("width"), result.get("frames", 1)
+    size = f"{height} px" if width in (None, height) else f"{height}×{width} px"
+    if frames > 1:
+        size += f", {frames} frames"
+    lines = [f"### {result['config']} on {result['device_name']} (1 GPU), {size}", ""]
+    # Videos: the image columns count frames, and one column more counts videos.
+    unit, video = ("frame", " videos/GPU/s |") if frames > 1 else ("image", "")
     rollout = result["mode"] == "rollout"
     reward = result.get("setup", {}).get("reward", "brightness")
     # A reward of real cost: the step's wait for it after the rollout, and its own time (ms per image).
@@ -957,14 +1118,16 @@ def table(result: dict[str, Any]) -> str:
         lines[0] += f", reward {reward}"
     if rollout:
         lines += [
-            f"| variant | images/GPU/s (rollout only) | × {first} | rollout ms/image | MFU | peak GiB |",
+            f"| variant | {unit}s/GPU/s (rollout only) | × {first} | rollout ms/{unit} | MFU | peak GiB |",
             "|---|---|---|---|---|---|",
         ]
     else:
         lines += [
-            f"| variant | images/GPU/s | × {first} | × previous | rollout ms/image | update ms/image "
+            f"| variant | {unit}s/GPU/s |{video} × {first} | × previous | rollout ms/{unit} | update ms/{unit} "
             "| MFU rollout / update | max mean\\|ratio−1\\| | peak GiB |" + (_REWARD_HEAD if costly else ""),
-            "|---|---|---|---|---|---|---|---|---|" + ("---|" * 3 if costly else ""),
+            "|---|---|---|---|---|---|---|---|---|"
+            + ("---|" if video else "")
+            + ("---|" * 3 if costly else ""),
         ]
     previous = None
     for v in result["variants"]:
@@ -981,8 +1144,9 @@ def table(result: dict[str, Any]) -> str:
             continue
         step = "—" if v.get("fast") else _ratio(ips, previous)
         ms = v["ms_per_image"]
+        videos = f" {_fmt(v.get('videos_per_gpu_s'))} |" if video else ""
         lines.append(
-            f"| {v['name']} | {_fmt(ips)} | {over_base} | {step} | {_fmt(ms['gen'], 1)} | "
+            f"| {v['name']} | {_fmt(ips)} |{videos} {over_base} | {step} | {_fmt(ms['gen'], 1)} | "
             f"{_fmt(ms['update_actor'], 1)} | {_pct(v['mfu_infer'])} / {_pct(v['mfu_actor'])} | "
             f"{_fmt(v['onpolicy_ratio_abs_dev'], 2)} | {_fmt(v['peak_memory_gb'], 1)} |"
             + (_reward_cells(v) if costly else "")
@@ -1029,6 +1193,8 @@ def write_readme(out: Path) -> None:
         "computed` the reward's own time (`reward/latency_s`), both per image, and the share is",
         "`timing_s/reward / timing_s/step`; a name ending `_overlap_on` scored each rollout chunk beside the",
         "sampling of the next, `_overlap_off` after the rollout.",
+        "Video sections (`--frames`): the image columns count frames, `videos/GPU/s` whole videos; their",
+        "setup (steps, trained window, videos per step, micro-batch) is in the section's command.",
         "",
     ]
     for path in sorted(out.glob("*.json")):
@@ -1074,7 +1240,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--warmup", type=int, default=2, help="rollouts before measuring (compilation happens here)"
     )
     p.add_argument("--steps", type=int, default=3, help="measured rollouts (the median is reported)")
-    p.add_argument("--resolution", type=int, default=512)
+    p.add_argument("--resolution", type=int, default=512, help="height, and width unless --width")
+    p.add_argument("--width", type=int, default=None, help="default: --resolution")
+    p.add_argument("--frames", type=int, default=1, help="frames per sample (video models: 4k + 1)")
+    p.add_argument(
+        "--record-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the latents the rollout records (Sampler.record_dtype)",
+    )
+    p.add_argument(
+        "--sde-window-size",
+        type=int,
+        default=None,
+        help="train only this many consecutive steps, starting in the first half (default: all but the last)",
+    )
     p.add_argument("--num-steps", type=int, default=10, help="denoising steps")
     p.add_argument("--prompts", type=int, default=2, help="prompts per rollout (M)")
     p.add_argument("--group", type=int, default=8, help="images per prompt (K)")
@@ -1096,18 +1276,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--reward {args.reward!r}: choose brightness, pickscore_sized, ocr or remote:<latency_ms>")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    video = SPECS[args.model]["family"] == "wan"
+    if args.frames > 1 and not video:
+        p.error(f"--frames {args.frames}: --model {args.model} draws images; choose a video model")
+    if video and args.reward != "brightness":
+        p.error(f"--reward {args.reward}: scores images; --model {args.model} draws videos (use brightness)")
     if args.tiny:
         args.resolution = min(args.resolution, 32 if args.model != "qwenimage" else 64)
+        args.width = None if args.width is None else min(args.width, args.resolution)
         args.num_steps = min(args.num_steps, 3)
+    args.height = args.resolution
+    args.width = args.width or args.resolution
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    spec = (TINY if args.tiny else SPECS)[args.model]
+    spec = tiny_spec(args.model) if args.tiny else SPECS[args.model]
     device = torch.device(args.device)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    config = f"{args.model}{'_tiny' if args.tiny else ''}_{args.resolution}px"
+    config = f"{args.model}{'_tiny' if args.tiny else ''}_{_size_name(args)}"
     if args.objective != "flow_grpo":
         config += f"_{args.objective}"
     if args.reward != "brightness":
@@ -1149,10 +1337,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "config": config,
         "mode": "rollout" if args.rollout_only else "training",
         "resolution": args.resolution,
+        "width": args.width,
+        "frames": args.frames,
         "setup": {
             k: getattr(args, k)
             for k in (
                 "num_steps",
+                "sde_window_size",
+                "record_dtype",
                 "prompts",
                 "group",
                 "micro_batch",
@@ -1217,6 +1409,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return summary
 
 
+def _size_name(args: argparse.Namespace) -> str:
+    """``512px`` (square images, the names of the recorded results), else ``480x832`` and ``_81f``."""
+    name = f"{args.height}px" if args.width == args.height else f"{args.height}x{args.width}"
+    return name + (f"_{args.frames}f" if args.frames > 1 else "")
+
+
 def _failed(variant: Variant, err: Exception) -> dict[str, Any]:
     import traceback
 
@@ -1267,6 +1465,7 @@ def _finish(summary: dict[str, Any]) -> None:
         if full[0]["images_per_gpu_s"]
         else None,
         mfu_transformer=best.get("mfu_transformer", best.get("mfu_infer")),
+        videos_per_gpu_s=best.get("videos_per_gpu_s"),
         onpolicy_ratio_abs_dev=best.get("onpolicy_ratio_abs_dev"),
         peak_memory_gb=best.get("peak_memory_gb"),
         fast_images_per_gpu_s=None if fast is None else fast["images_per_gpu_s"],

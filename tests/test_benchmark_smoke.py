@@ -140,3 +140,32 @@ def test_reward_choices_and_a_missing_ocr_engine_fail_in_one_line(throughput, tm
     monkeypatch.setitem(sys.modules, "rapidocr", None)  # as where the OCR extra is not installed
     with pytest.raises(SystemExit, match=r"--reward ocr .*pip install 'lit-flowgrpo\[ocr\]'"):
         throughput.main(tiny_args(tmp_path, "eager", "--no-fast", "--reward", "ocr"))
+
+
+def test_wan_videos_through_the_same_harness(throughput, tmp_path):
+    # The tiny Wan pipeline's configs (lit_flowgrpo.tiny.wan) on random weights: 5-frame videos, a
+    # window of one trained step, bf16 records, the update's blocks checkpointed.
+    args = tiny_args(tmp_path, "activation_checkpointing", "--no-fast", "--model", "wan1p3b", "--frames", "5")
+    throughput.main([*args, "--record-dtype", "bfloat16", "--sde-window-size", "1"])
+    saved = json.loads((tmp_path / "cpu_wan1p3b_tiny_32px_5f.json").read_text())
+    assert (saved["frames"], saved["setup"]["record_dtype"], saved["setup"]["sde_window_size"]) == (
+        5,
+        "bfloat16",
+        1,
+    )
+    (run,) = saved["variants"]
+    assert run["performance"]["activation_checkpointing"]
+    # the callback's perf/throughput counts frames, perf/video_throughput videos
+    assert run["frames_per_gpu_s"] == run["images_per_gpu_s"] > 0
+    assert run["videos_per_gpu_s"] == pytest.approx(run["frames_per_gpu_s"] / 5)
+    assert saved["videos_per_gpu_s"] == run["videos_per_gpu_s"] and run["ms_per_video"]["update_actor"] > 0
+    assert 0 <= run["onpolicy_ratio_abs_dev"] <= 1e-3 and run["flops_per_image_forward"] > 0
+    table = (tmp_path / "README.md").read_text()
+    assert "32 px, 5 frames" in table and "| frames/GPU/s | videos/GPU/s |" in table
+
+
+def test_a_video_run_refuses_image_rewards_and_frames_of_image_models(throughput):
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--model", "wan1p3b", "--reward", "pickscore_sized"])
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--model", "sd35m", "--frames", "5"])

@@ -271,3 +271,17 @@ def test_activation_checkpointing_recomputes_under_the_forwards_attention_kernel
     hook.remove()
     assert seen == [(False, False, False, True)] * 2  # the forward and its recomputation
     assert switches.cudnn_sdp_enabled() and switches.flash_sdp_enabled()  # restored afterwards
+
+
+def test_flop_count_leaves_out_what_activation_checkpointing_recomputes(tiny_sd3_path):
+    # MFU counts the model's FLOPs: a checkpointed backward runs each block's forward again, and that
+    # rematerialisation must not raise perf/mfu/actor.
+    from lit_flowgrpo.callbacks import measure_transformer_flops
+
+    counts = [
+        measure_transformer_flops(
+            adapted_policy(tiny_sd3_path, "float32", PerformanceSettings(activation_checkpointing=on)), 32, 32
+        )
+        for on in (False, True)
+    ]
+    assert counts[0] == counts[1] and counts[0][1] > counts[0][0]

@@ -471,4 +471,26 @@ def measure_transformer_flops(
         finally:
             for p, g in zip(params, saved, strict=True):
                 p.grad = g
+        # MFU counts the model's FLOPs, not the rematerialisation (PaLM, Chowdhery et al. 2022, App. B):
+        # the blocks that activation checkpointing runs again in the backward are taken out again.
+        fwd_bwd -= _recomputed_flops(transformer, forward)
     return fwd, fwd_bwd
+
+
+def _recomputed_flops(transformer: torch.nn.Module, forward: Any) -> int:
+    """FLOPs of one forward of the blocks that gradient checkpointing recomputes in the backward (the
+    model's repeated blocks, which diffusers checkpoints one by one); 0 without checkpointing."""
+    if not getattr(transformer, "is_gradient_checkpointing", False):
+        return 0
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lit_flowgrpo.performance import _repeated_blocks
+
+    blocks = {id(m) for m in _repeated_blocks(transformer, "activation_checkpointing")}
+    # FlopCounterMode names each module by the outermost module's class and the path below it.
+    root = type(transformer).__name__
+    names = {f"{root}.{name}" for name, m in transformer.named_modules() if id(m) in blocks}
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        forward()
+    return sum(sum(ops.values()) for name, ops in counter.get_flop_counts().items() if name in names)
