@@ -321,6 +321,8 @@ def test_recipe_matches_its_source(name: str) -> None:
         if "qwen" in name or "wan" in name
         else {"compile_blocks": True, "compile_decoder": True}
     )
+    if "wan" in name:  # video updates do not fit without recomputing the blocks (the recipe's comment)
+        fast["activation_checkpointing"] = True
     assert model["performance"] == fast
     assert policy["dtype"] == "bfloat16" and trainer["precision"] == "32-true"
 
