@@ -54,7 +54,10 @@ class Probe(L.LightningModule):
     def on_train_end(self) -> None:
         strategy = self.trainer.strategy
         rank_sum = strategy.reduce(torch.tensor(float(self.global_rank)), reduce_op="sum")
-        report = _report(self.trainer) | {"mesh": list(strategy.device_mesh.shape), "rank_sum": float(rank_sum)}
+        report = _report(self.trainer) | {
+            "mesh": list(strategy.device_mesh.shape),
+            "rank_sum": float(rank_sum),
+        }
         (Path(self.out) / f"rank{self.global_rank}.json").write_text(json.dumps(report))
 
 
@@ -71,6 +74,11 @@ def _report(trainer: L.Trainer) -> dict[str, Any]:
         "main_address": env.main_address if env else None,
         "main_port": env.main_port if env else None,
     }
+
+
+def brightness(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+    """The images' mean: a reward continuous in the weights (JPEG sizes jump by whole bytes)."""
+    return images.mean(dim=(1, 2, 3))  # (B,) fp32
 
 
 class LaunchRecorder(L.Callback):
