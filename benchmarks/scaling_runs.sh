@@ -2,8 +2,9 @@
 # The scaling runs behind benchmarks/results/scaling_*.json, in parts (each fits a 10-minute slot):
 #   bash benchmarks/scaling_runs.sh lora RUNS_DIR [extra args]   # 1 GPU, ddp and fsdp2 with LoRA, resume
 #   bash benchmarks/scaling_runs.sh full RUNS_DIR [extra args]   # ddp and fsdp2 full fine-tunes, resume
-#   GPUS="1 2 4" bash benchmarks/scaling_runs.sh curve RUNS_DIR [extra args]
+#   GPUS="1 2 4 8" bash benchmarks/scaling_runs.sh curve RUNS_DIR [extra args]
 #       # the scaling curve: LoRA, ddp and fsdp2 at each GPU count with the same per-GPU batch
+#       # (GPUS defaults to "1 2 4"; each count must not exceed the host's GPUs)
 # then: python benchmarks/scaling.py report RUNS_DIR --out benchmarks/results/scaling_<machine>.json
 set -u
 part=$1; R=$2; shift 2

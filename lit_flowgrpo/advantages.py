@@ -294,9 +294,12 @@ class AdvantageSettings:
             boosted = mult[adv > 0]
             log["critic/advantages/diversity_scale_max"] = float(boosted.max()) if boosted.numel() else 1.0
         mine = dp.mine(scored, batch)
-        dropped = int((~mine).sum())
+        # Over all ranks: rank 0 warns for every rank's, and the module's counter counts them all.
+        dropped = int((~scored).sum())
         if dropped:
-            rank_zero_warn(f"{dropped} of {batch} samples have no finite reward: dropped from the advantages")
+            rank_zero_warn(
+                f"{dropped} of {scored.numel()} samples have no finite reward: dropped from the advantages"
+            )
         return BatchAdvantages(
             dp.mine(adv, batch), mine, dropped, log, dp.mine(kl_weights.to(adv.device), batch)
         )
@@ -322,7 +325,7 @@ class BatchAdvantages:
     scored: Tensor
     """(B,) bool: this rank's samples that have an advantage; the rest are never trained on."""
     dropped: int
-    """This rank's samples without one."""
+    """The samples without one, over all ranks."""
     log: dict[str, float] = field(default_factory=dict)
     """Over all ranks: ``reward/failure_rate``; under ``aggregation: gdpo`` also
     ``reward/nan_groups/<component>`` and ``reward/unscored_groups``; under ``kl_gate``

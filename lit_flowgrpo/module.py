@@ -344,12 +344,18 @@ class FlowGRPOModule(L.LightningModule):
 
     def _log_step(self, done: UpdateResult) -> None:
         assert done.loss_sums is not None
-        loss, pg_loss, kl_loss, nonfinite = done.loss_sums.tolist()  # the step's one read of the loss sums
-        n = max(done.num_losses, 1)
+        # Summed over the ranks (one gather, fp64; the step's one read of the loss sums), so every rank
+        # holds what one process would: the mean losses over all micro-batches, the count of non-finite
+        # ones, and the moving reference's refresh below decides on the same KL on every rank.
+        sums = torch.cat(
+            [done.loss_sums.double(), done.loss_sums.new_tensor([done.num_losses], dtype=torch.float64)]
+        )
+        loss, pg_loss, kl_loss, nonfinite, count = self.data_parallel.stack(sums).sum(0).tolist()
+        n = max(count, 1)
         loss, pg_loss, kl_loss = loss / n, pg_loss / n, kl_loss / n
         self._counters["nonfinite_losses"] += int(nonfinite)
         # The moving reference (GARDO's refresh, or an EMA) after this update, from its mean KL.
-        self.weights.after_update(self.policy, self.global_step, kl_loss if done.num_losses else float("nan"))
+        self.weights.after_update(self.policy, self.global_step, kl_loss if count else float("nan"))
         values = {
             "actor/loss": loss,
             "actor/pg_loss": pg_loss,
@@ -359,9 +365,10 @@ class FlowGRPOModule(L.LightningModule):
             "actor/reference_refreshes": float(self.weights.refreshes),
         }
         values.update({f"actor/{k}": float(v) for k, v in self._counters.items()})
-        # Means of scalars that are the same on every rank after the gradient all-reduce, or
-        # averaged over ranks by Lightning's sync.
-        self.log_dict(values, on_step=True, on_epoch=False, sync_dist=True)
+        # Every value is the same on every rank (the gradient norm after the gradient all-reduce), so
+        # nothing is synced: Lightning's fp32 mean over ranks would move even a constant (kl_coef 0.04
+        # logged 0.0399999954 on 8 ranks), and would divide the counts by the number of ranks.
+        self.log_dict(values, on_step=True, on_epoch=False)
         # The metrics reduce exact sufficient statistics across ranks inside compute() (a collective:
         # every rank calls it here). Logging the Metric objects themselves would log, per step, the
         # rank-local forward value: the very pooled-statistics error these metrics exist to avoid.
