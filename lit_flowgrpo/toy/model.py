@@ -164,16 +164,23 @@ class ToyTextEncoder(nn.Module):
             ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         return ids, ids != PAD_ID
 
+    #: What the errors tell a user whose checkpoint no longer matches the world (a subclass's own).
+    regenerate_hint = REGENERATE_HINT
+
+    def words(self, prompt: str) -> list[str]:
+        """The words of ``prompt`` (raises ``ValueError`` listing every word outside the world)."""
+        return world.tokenize(prompt)
+
     def _token_ids(self, prompt: str) -> list[int]:
         cached = self._token_cache.get(prompt)
         if cached is not None:
             return cached
-        words = world.tokenize(prompt)  # raises ValueError listing every unknown word
+        words = self.words(prompt)  # raises ValueError listing every unknown word
         unknown = sorted({w for w in words if w not in self._ids})
         if unknown:
             raise ValueError(
                 f"prompt {prompt!r} has words {unknown} that the toy text encoder was not trained on (the "
-                f"toy world's vocabulary changed since the checkpoint was made): {REGENERATE_HINT}"
+                f"toy world's vocabulary changed since the checkpoint was made): {self.regenerate_hint}"
             )
         if len(words) + 1 > self.max_length:
             raise ValueError(
@@ -264,6 +271,7 @@ def save_checkpoint(
     *,
     dtype: torch.dtype = torch.float16,
     info: Mapping[str, str] | None = None,
+    checkpoint_format: str = CHECKPOINT_FORMAT,
 ) -> None:
     """Write both networks to one safetensors file at ``path`` (folders are created).
 
@@ -273,6 +281,7 @@ def save_checkpoint(
         text_encoder: the toy text encoder.
         dtype: storage dtype of floating tensors (fp16 halves the file; loading casts back).
         info: extra string metadata (how the file was made), stored beside the configs.
+        checkpoint_format: the ``format`` metadata value (the video model's checkpoints have their own).
     """
     tensors = {}
     for prefix, module in (("unet.", unet), ("text_encoder.", text_encoder)):
@@ -280,7 +289,7 @@ def save_checkpoint(
             tensor = tensor.detach().to("cpu")
             tensors[prefix + name] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
     metadata = {
-        "format": CHECKPOINT_FORMAT,
+        "format": checkpoint_format,
         "unet_config": json.dumps(dict(unet.config)),
         "text_encoder_config": json.dumps(text_encoder.config),
         **{k: str(v) for k, v in (info or {}).items()},
@@ -290,43 +299,52 @@ def save_checkpoint(
     save_file(tensors, path, metadata=metadata)
 
 
-def read_checkpoint_metadata(path: str) -> dict[str, str]:
-    """The metadata of a toy checkpoint, validated.
+def read_checkpoint_metadata(
+    path: str, *, checkpoint_format: str = CHECKPOINT_FORMAT, hint: str = REGENERATE_HINT
+) -> dict[str, str]:
+    """The metadata of a toy checkpoint of ``checkpoint_format``, validated (``hint``: how to regenerate one).
 
     Raises:
         ValueError: the file is missing, not safetensors, or not a toy checkpoint; the message says
             how to regenerate it.
     """
     if not os.path.isfile(path):
-        raise ValueError(f"toy checkpoint {path} does not exist: {REGENERATE_HINT}")
+        raise ValueError(f"toy checkpoint {path} does not exist: {hint}")
     try:
         with safe_open(path, framework="pt") as f:
             metadata = dict(f.metadata() or {})
     except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(
-            f"toy checkpoint {path} is not a readable safetensors file ({err}): {REGENERATE_HINT}"
-        ) from err
-    if metadata.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"toy checkpoint {path} is not a readable safetensors file ({err}): {hint}") from err
+    if metadata.get("format") != checkpoint_format:
         raise ValueError(
             f"{path} is not a toy checkpoint (format {metadata.get('format')!r}, expected "
-            f"{CHECKPOINT_FORMAT!r}): {REGENERATE_HINT}"
+            f"{checkpoint_format!r}): {hint}"
         )
     return metadata
 
 
 def load_checkpoint(
-    path: str, *, dtype: torch.dtype = torch.float32
-) -> tuple[UNet2DConditionModel, ToyTextEncoder, dict[str, str]]:
+    path: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    checkpoint_format: str = CHECKPOINT_FORMAT,
+    unet_class: Any = UNet2DConditionModel,
+    text_encoder_class: type[ToyTextEncoder] = ToyTextEncoder,
+    hint: str = REGENERATE_HINT,
+) -> tuple[Any, ToyTextEncoder, dict[str, str]]:
     """Both networks from a file written by :func:`save_checkpoint`, plus its metadata.
+
+    ``checkpoint_format``, ``unet_class``, ``text_encoder_class`` and ``hint`` describe another toy model that
+    travels the same way (the video model: :mod:`lit_flowgrpo.toy.video_model`).
 
     Raises:
         ValueError: the file is missing or corrupt, or its tensors do not match its configs; the
             message says how to regenerate it.
     """
-    metadata = read_checkpoint_metadata(path)
+    metadata = read_checkpoint_metadata(path, checkpoint_format=checkpoint_format, hint=hint)
     try:
-        unet = UNet2DConditionModel.from_config(json.loads(metadata["unet_config"]))
-        text_encoder = ToyTextEncoder(**json.loads(metadata["text_encoder_config"]))
+        unet = unet_class.from_config(json.loads(metadata["unet_config"]))
+        text_encoder = text_encoder_class(**json.loads(metadata["text_encoder_config"]))
         parts: dict[str, dict[str, Tensor]] = {"unet.": {}, "text_encoder.": {}}
         with safe_open(path, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -337,7 +355,7 @@ def load_checkpoint(
         unet.load_state_dict(parts["unet."], strict=True)
         text_encoder.load_state_dict(parts["text_encoder."], strict=True)
     except (KeyError, TypeError, ValueError, RuntimeError, SafetensorError, OSError) as err:
-        raise ValueError(f"toy checkpoint {path} is corrupt ({err}): {REGENERATE_HINT}") from err
+        raise ValueError(f"toy checkpoint {path} is corrupt ({err}): {hint}") from err
     if dtype != torch.float32:  # the networks are built in fp32; cast only when asked
         unet, text_encoder = unet.to(dtype), text_encoder.to(dtype)
     return unet, text_encoder, metadata

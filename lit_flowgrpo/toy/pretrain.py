@@ -208,14 +208,26 @@ class ToyPretrainModule(pl.LightningModule):
         self.export_path = export_path
         self.export_every_n_steps = export_every_n_steps
         self.export_dtype = export_dtype
-        if init_from is not None:
-            unet, text_encoder, _ = load_checkpoint(init_from)
-        else:
-            unet, text_encoder = build_models(architecture or ToyModelConfig())
+        unet, text_encoder = self._build_networks(architecture, init_from)
         self.net = nn.ModuleDict({"unet": unet, "text_encoder": text_encoder})
         self.ema: nn.ModuleDict | None = None
         if ema_decay is not None:
             self.ema = copy.deepcopy(self.net).requires_grad_(False)
+
+    def _build_networks(self, architecture: Any, init_from: str | None) -> tuple[nn.Module, nn.Module]:
+        """The denoiser and the text encoder to train (the video pretraining builds its own)."""
+        if init_from is not None:
+            unet, text_encoder, _ = load_checkpoint(init_from)
+            return unet, text_encoder
+        return build_models(architecture or ToyModelConfig())
+
+    def _velocity(self, unet: nn.Module, noisy: Tensor, sigma: Tensor, embeds: dict[str, Tensor]) -> Tensor:
+        return predict_velocity(unet, noisy, sigma, embeds)
+
+    def _save(self, path: str, net: nn.ModuleDict, dtype: torch.dtype, info: dict[str, str]) -> None:
+        save_checkpoint(
+            path, net["unet"], net["text_encoder"], dtype=dtype, info=info | {"made_by": PRETRAIN_COMMAND}
+        )
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         pixels, prompts = batch["pixels"], list(batch["prompt"])
@@ -226,10 +238,10 @@ class ToyPretrainModule(pl.LightningModule):
 
         noise = torch.randn_like(pixels)
         sigma = self._sample_sigma(n)  # (B,) fp32
-        s = sigma.view(n, 1, 1, 1)
+        s = sigma.view(n, *([1] * (pixels.ndim - 1)))
         noisy = (1.0 - s) * pixels + s * noise  # x_σ = (1 − σ)·x0 + σ·ε
         target = noise - pixels  # v = ε − x0
-        pred = predict_velocity(self.net["unet"], noisy, sigma, embeds).float()
+        pred = self._velocity(self.net["unet"], noisy, sigma, embeds).float()
         loss = F.mse_loss(pred, target)
         self.log("train/loss", loss, prog_bar=True)
         return loss
@@ -272,17 +284,8 @@ class ToyPretrainModule(pl.LightningModule):
         if not self.trainer.is_global_zero:
             return
         net = self.ema if self.ema is not None else self.net
-        save_checkpoint(
-            path,
-            net["unet"],
-            net["text_encoder"],
-            dtype=_DTYPES[self.export_dtype],
-            info={
-                "steps": str(self.global_step),
-                "weights": "ema" if self.ema is not None else "raw",
-                "made_by": PRETRAIN_COMMAND,
-            },
-        )
+        info = {"steps": str(self.global_step), "weights": "ema" if self.ema is not None else "raw"}
+        self._save(path, net, _DTYPES[self.export_dtype], info)
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = self.optimizer(self.net.parameters())

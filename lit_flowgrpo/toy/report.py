@@ -340,8 +340,12 @@ def base_vs_tuned_grid(
     """Pairs of rows: base samples above the tuned samples of the same prompts and seeds.
 
     Each column is headed by its prompt (wrapped); a sample whose pass flag is given gets a green
-    frame (the verifier passes it) or a red one (it fails).
+    frame (the verifier passes it) or a red one (it fails). Videos (B, F, 3, H, W) are drawn as film
+    strips, their frames left to right.
     """
+    base, tuned = _film_strips(base), _film_strips(tuned)
+    if base.ndim == 4 and base.shape[-1] > 4 * base.shape[-2]:
+        per_row = min(per_row, 4)  # strips are wide: fewer per row keeps the picture readable
     n = min(len(base), len(tuned))
     _, _, h, w = base.shape
     font = ImageFont.load_default()
@@ -384,6 +388,14 @@ def base_vs_tuned_grid(
             font=font,
         )
     return canvas
+
+
+def _film_strips(samples: torch.Tensor) -> torch.Tensor:
+    """Videos (B, F, 3, H, W) as images (B, 3, H, F·W), frames left to right; images unchanged."""
+    if samples.ndim != 5:
+        return samples
+    b, f, c, h, w = samples.shape
+    return samples.permute(0, 2, 3, 1, 4).reshape(b, c, h, f * w)
 
 
 class _Samples(NamedTuple):

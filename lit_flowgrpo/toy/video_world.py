@@ -138,3 +138,20 @@ def sample_trajectory(
 def render_video(scenes: list[list[dict[str, Any]]], size: int = IMAGE_SIZE) -> np.ndarray:
     """Draw one scene per frame: (F, size, size, 3) uint8 (:func:`lit_flowgrpo.toy.world.render`)."""
     return np.stack([render(scene, size) for scene in scenes])
+
+
+def video_split() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train, held-out) video records: 32 and 16 of the 48.
+
+    For each colour and direction one shape is held out (the ``(colour + direction) mod 3``-th), so
+    every held-out prompt is an unseen composition of a shape, a colour and a direction that the
+    train list shows in every pair: each shape with each colour and with each direction, each colour
+    with each direction. Written to ``assets/video_train.jsonl`` and ``assets/video_val.jsonl``.
+    """
+    train, val = [], []
+    for d, direction in enumerate(DIRECTIONS):
+        for c, color in enumerate(COLORS):
+            for s, shape in enumerate(SHAPES):
+                held_out = s == (c + d) % len(SHAPES)
+                (val if held_out else train).append(make_video_record(shape, color, direction))
+    return train, val
