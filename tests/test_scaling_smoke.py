@@ -38,8 +38,14 @@ def test_scaling_script_runs_one_rollout(size: str, extra: list[str], tmp_path: 
         assert info["exported_ok"] is True
 
 
-# slow: about 15 processes, 3 at a time at most (5 to 10 minutes on 2 shared cores).
+# About 15 processes, 3 at a time at most: 5 to 10 minutes on 2 shared cores, a third of the whole CI.
+# The plan has run on 4 GPUs since (benchmarks/results/big_models_4xH200.json) and each size's code
+# path stays in CI above; run this before changing big_runs.sh: LIT_FLOWGRPO_PLAN_SMOKE=1 pytest -m slow.
 @pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("LIT_FLOWGRPO_PLAN_SMOKE"),
+    reason="the 4-GPU plan's CPU rehearsal takes 5-10 minutes: set LIT_FLOWGRPO_PLAN_SMOKE=1 to run it",
+)
 def test_big_runs_plan_on_tiny_sizes(tmp_path: Path) -> None:
     """Every step of the 4-GPU plan runs on the CPU and lands in the results JSON with its settings:
     the profiled SD3.5-M LoRA pair, Qwen-Image LoRA under fsdp2 (exported, resumed, against its
