@@ -21,7 +21,7 @@
 # big_runs.json (scaling.py report).
 #
 # SMOKE=1 runs the same steps on the tiny sizes, 2 CPU processes where the plan has 4 GPUs: the CPU
-# check of this plan (tests/test_scaling_smoke.py).
+# check of this plan (tests/test_scaling_smoke.py, opt-in: LIT_FLOWGRPO_PLAN_SMOKE=1 pytest -m slow).
 set -u
 R=$1
 OUT=${2:-$1}
