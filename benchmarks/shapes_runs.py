@@ -133,6 +133,14 @@ PLANS["gardo_sweep"] = {
 }
 # The sweep's picks on 3 seeds: the plain KL and GARDO at the β that kept gold, GARDO without its refresh,
 # and GARDO at a weaker β (Flow-GRPO itself: the sweep's flow_grpo_proxy_klmeasured, 3 seeds).
+# The video world (configs/quickstart_video.yaml): its base checkpoint comes from `fit --config
+# configs/toy_video_pretrain.yaml` and is passed after `--` as
+# --model.init_args.policy.init_args.pretrained=PATH; 128 held-out clips (16 prompts x --val_seeds 8).
+PLANS["video"] = {
+    "video_flow_grpo": ("configs/quickstart_video.yaml", []),
+    "video_flow_grpo_lr1e-4": ("configs/quickstart_video.yaml", [LR + "1e-4"]),
+}
+
 PLANS["gardo"] = {
     label: PLANS["gardo_sweep"][label] for label in ("kl0.4_proxy", "gardo_b4", "gardo_b4_initial_ref")
 }
@@ -149,6 +157,8 @@ EXTRA_KEYS = (
 )
 
 HELD_OUT = "val-core/shapes/strict/mean@1"
+#: the video world's held-out key, read where a run logs it instead of the image world's
+HELD_OUT_VIDEO = "val-core/shapes_video/strict/mean@1"
 KL = "actor/kl_loss"
 PROXY = "critic/rewards/shapes/strict/mean"
 STEP_TIME = "perf/time_per_step"
@@ -222,11 +232,12 @@ def read_run(folder: Path) -> dict:
     extra: dict[str, dict[int, float]] = {}
     for row in csv.DictReader(files[-1].read_text().splitlines()) if files else []:
         step = int(float(row["step"]))
-        if row.get(HELD_OUT):
+        value = row.get(HELD_OUT) or row.get(HELD_OUT_VIDEO)
+        if value:
             # Lightning's logging step counts training batches (rollouts), not optimizer steps, and a
             # validation after rollout k logs at k − 1; the base model's (written by HeldOutReport,
             # outside any epoch) at 0
-            held[step + 1 if row.get("epoch") else 0] = float(row[HELD_OUT])
+            held[step + 1 if row.get("epoch") else 0] = float(value)
         rollout = step + 1  # 1-based, as the progress bar counts
         for key in EXTRA_KEYS:
             if row.get(key):
