@@ -5,9 +5,11 @@ the rollout, the update and the KL reference (and the FLOP count) run with the s
 importance ratio at the first update stays at 1 up to the dtype's rounding. A speed-up that made the
 rollout and the update compute differently would show up as policy change and be clipped.
 
-- ``compute_dtype``: the matrix products run under ``torch.autocast`` in the base weights' dtype
-  (bf16 for the shipped recipes). The LoRA weights stay fp32 master weights, as the optimizer needs;
-  without autocast peft computes the adapters in fp32, casting every adapter input to fp32 and back.
+- ``compute_dtype``: the matrix products run under ``torch.autocast`` in the dtype the policy loaded
+  (bf16 for the shipped recipes). The LoRA weights, and a full fine-tune's transformer, stay fp32
+  master weights, as the optimizer needs (``--model.init_args.master_dtype``); without autocast peft
+  computes the adapters in fp32, casting every adapter input to fp32 and back. A full fine-tune's
+  frozen copies (the KL reference, the old policy) keep the loaded dtype and get the same autocast.
 - ``compile_blocks``: ``torch.compile`` of each repeated transformer block (regional compilation, as
   diffusers' ``ModelMixin.compile_repeated_blocks``): one compiled graph serves every block of a
   class, so compiling costs seconds per graph rather than minutes for the whole model. The largest
@@ -55,10 +57,10 @@ class PerformanceSettings:
     """How the policy's transformer computes (rollout, update and reference alike).
 
     Args:
-        compute_dtype: dtype of the transformer's matrix products. ``"auto"``: the dtype of most of
-            its weights (the frozen base: bf16 in the recipes), so fp32 LoRA weights compute in bf16
-            through ``torch.autocast`` while staying fp32 for the optimizer; a float32 base computes
-            in float32. ``"float32"``: no autocast (peft then computes fp32 adapters in fp32).
+        compute_dtype: dtype of the transformer's matrix products. ``"auto"``: the dtype the policy
+            loaded it in (bf16 in the recipes), so fp32 LoRA weights, or a full fine-tune's fp32
+            master weights, compute in bf16 through ``torch.autocast`` while staying fp32 for the
+            optimizer; a float32 model computes in float32. ``"float32"``: no autocast (peft then computes fp32 adapters in fp32).
         compile_blocks: ``torch.compile`` each repeated transformer block (regional compilation).
             The first rollout and the first update compile (about a minute at SD3.5-M scale); each
             new batch shape compiles once more (a short last rollout chunk too).
