@@ -173,3 +173,19 @@ def test_settings_that_cannot_apply_fail_naming_the_flag(tiny_sd3_path, prompt_f
         warnings.simplefilter("ignore")
         fit(module, prompt_file, Path(prompt_file).parent)
     assert module.policy.pipe is None
+
+
+def test_the_bf16_reference_copy_computes_what_the_masters_compute_before_any_update(
+    tiny_sd3_path, prompt_file, tmp_path
+):
+    """The frozen reference stays bf16 while the trained network holds float32 masters: with one
+    optimizer step per rollout every KL of the first update is taken at the initial weights, where the
+    two networks hold the same values (masters cast from bf16) and compute alike (autocast rounds the
+    masters to the reference's values), so the KL is exactly 0. (On this CPU model the reference's own
+    autocast makes no difference; on GPUs autocast also runs norms and softmax in float32.)"""
+    module = make_module(tiny_sd3_path, objective=FlowGRPO(clip_range=1e-2, kl_coef=0.1), reference_copy=True)
+    trainer = fit(module, prompt_file, tmp_path)
+    assert {p.dtype for p in module.weights.reference_network.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in module.policy.transformer.parameters()} == {torch.float32}
+    assert float(trainer.callback_metrics["actor/kl_loss"]) == 0.0
+    assert float(trainer.callback_metrics["actor/on_policy_ratio_err"]) == 0.0
