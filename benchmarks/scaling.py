@@ -49,6 +49,7 @@ from torch import Tensor, nn
 
 from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
 from lit_flowgrpo.callbacks import RLThroughputMonitor
+from lit_flowgrpo.lora import ReferenceSettings
 from lit_flowgrpo.objective import GRPOGuard
 from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies.base import Embeds
@@ -422,6 +423,8 @@ def run(args: argparse.Namespace) -> None:
             compile_backend=args.compile_backend,
         ),
         reference_copy=reference_copy,
+        reference=ReferenceSettings(offload=args.offload_reference),
+        master_dtype=args.master_dtype if not lora else "float32",
         # Large enough that two updates show in bf16 weights and in the next rollout's rewards.
         optimizer=functools.partial(torch.optim.AdamW, lr=3e-4 if lora else 1e-4, weight_decay=1e-4),
     )
@@ -493,6 +496,8 @@ def run(args: argparse.Namespace) -> None:
         lora_rank=recipe.get("lora_rank", 32) if lora else None,
         kl_coef=kl_coef,
         reference_copy=reference_copy,
+        master_dtype=args.master_dtype if not lora else None,
+        offload_reference=args.offload_reference,
         objective=objective_name,
         guidance_scale=guidance,
         train_cfg=guidance > 1,
@@ -605,6 +610,10 @@ def summarise(root: Path, name: str, reference: str | None) -> dict[str, Any] | 
         "lora_rank": info.get("lora_rank"),
         "kl_coef": info["kl_coef"],
         "reference_copy": info.get("reference_copy"),
+        # A full fine-tune's trained weights: float32 masters (the default since they exist) or the
+        # model's bf16 (runs recorded before the setting trained bf16 in place).
+        "master_dtype": info.get("master_dtype", None if info["lora"] else "model"),
+        "offload_reference": info.get("offload_reference", False),
         "objective": info.get("objective", "flow_grpo"),
         "guidance_scale": info.get("guidance_scale"),
         "train_cfg": info.get("train_cfg"),
@@ -715,7 +724,9 @@ def line(r: dict[str, Any]) -> str:
         else ""
     )
     return (
-        f"{r['name']}: {r['size']} {r['strategy']} W{r['world_size']} {'lora' if r['lora'] else 'full'}"
+        f"{r['name']}: {r['size']} {r['strategy']} W{r['world_size']} "
+        f"{'lora' if r['lora'] else 'full ' + str(r.get('master_dtype'))}"
+        f"{' ref-offloaded' if r.get('offload_reference') else ''}"
         f" {r['images_per_gpu_s'] or float('nan'):.3f} img/GPU/s peak {r['peak_memory_gb'] or float('nan'):.1f} GiB"
         f" steps {[round(x, 1) for x in r['step_seconds_rank0']]}s resumed {r['resumed_ok']} exported"
         f" {r['exported_ok']} d1gpu {diff if diff is not None else '-'}{comm}"
@@ -746,7 +757,10 @@ def _exported_ok(path: Path, trained: dict[str, Tensor], lora: bool, family: str
         }
         return sorted(ours) == sorted(trained) and _max_diff(ours, trained) == 0.0
     loaded = getattr(diffusers, transformer_name).from_pretrained(str(path)).state_dict()
-    return all(torch.equal(loaded[k.removeprefix(prefix)], v) for k, v in trained.items())
+    # Written in the model's dtype (bf16 on GPUs, as the random policies build it): the float32 masters
+    # rounded once; compared in that dtype whatever dtype from_pretrained loads it in.
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return all(torch.equal(loaded[k.removeprefix(prefix)].to(dtype), v.to(dtype)) for k, v in trained.items())
 
 
 def report(args: argparse.Namespace) -> None:
@@ -812,6 +826,14 @@ def problems(args: argparse.Namespace) -> list[str]:
         p.append("--no_cfg with a FLUX size: FLUX.1-dev has no CFG batch (its guidance is an input)")
     if args.compile_backend != "inductor" and not args.compile_blocks:
         p.append("--compile_backend needs --compile_blocks")
+    if args.master_dtype != "float32" and not args.full:
+        p.append("--master_dtype model is for --full: a LoRA adapter is always float32")
+    if args.offload_reference and not (
+        args.full and args.strategy == "fsdp2" and (args.kl_coef is None or args.kl_coef > 0)
+    ):
+        p.append(
+            "--offload_reference offloads a full fine-tune's reference copy: use it with --full, --strategy fsdp2, β > 0"
+        )
     return p
 
 
@@ -838,6 +860,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--save_trained", action="store_true", help="keep the trained weights for a resumed run")
     p.add_argument(
         "--compare_to", default=None, help="a run with --save_trained whose weights to compare with"
+    )
+    p.add_argument(
+        "--master_dtype",
+        choices=("float32", "model"),
+        default="float32",
+        help="--full: keep float32 master weights (the default) or train the bf16 weights in place (model)",
+    )
+    p.add_argument(
+        "--offload_reference",
+        action="store_true",
+        help="--full with --kl_coef > 0 under fsdp2: keep the frozen reference copy's shards in pinned host "
+        "memory (FSDP2's CPUOffloadPolicy)",
     )
     p.add_argument("--activation_checkpointing", action="store_true")
     p.add_argument(

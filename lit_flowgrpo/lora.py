@@ -81,18 +81,26 @@ class ReferenceSettings:
     transformer's in ``reference_copy``) that is saved in checkpoints, so a resumed run holds the same
     reference.
 
+    ``offload`` keeps a full fine-tune's frozen copy (``reference_copy``) in host memory, pinned, under
+    ``--trainer.strategy=fsdp2``: FSDP2's ``CPUOffloadPolicy`` holds each rank's shards on the host and
+    copies a block's shards in for its all-gather, so the reference costs no GPU memory beyond the
+    block being computed (FLUX.1's 24 GB in bf16, 6 GB per GPU on 4), for a host-to-device copy of the
+    rank's shards per reference forward. The copy is exact: the KL is the same, bit for bit.
+
     Args:
         mode: ``initial``, ``refreshed`` or ``ema``.
         refresh_every: ``refreshed``: optimizer steps between refreshes (``None``: only on ``refresh_kl``).
         refresh_kl: ``refreshed``: refresh after an update whose mean KL to the reference is above this
             (``None``: only every ``refresh_every``).
         ema_decay: ``ema``: the reference's decay per update, in [0, 1).
+        offload: keep the frozen reference copy in host memory (fsdp2 only; see above).
     """
 
     mode: Literal["initial", "refreshed", "ema"] = "initial"
     refresh_every: int | None = None
     refresh_kl: float | None = None
     ema_decay: float = 0.9
+    offload: bool = False
 
     def problems(self, uses_reference: bool, flag: str = "--model.init_args.reference") -> list[str]:
         p = []
@@ -146,6 +154,17 @@ class TrainableWeights:
             DiffusionNFT samples with and anchors its loss at (:meth:`old`, :meth:`update_old`).
         reference_settings: where the KL reference sits (the initial model, or one that moves along:
             :class:`ReferenceSettings`, :meth:`after_update`).
+        master_dtype: the dtype the trained weights are kept in: ``float32`` (master weights; the
+            matrix products still run in the compute dtype, under autocast) or ``model`` (the dtype the
+            policy loads, bf16 in every recipe: a full fine-tune then trains bf16 weights in place, and
+            AdamW keeps bf16 moments). A LoRA adapter is always float32.
+
+    Why float32 masters for a full fine-tune: an AdamW step moves a weight by about the learning rate
+    (1e-5 in the full fine-tune recipes), while bf16 rounds a weight of 0.03 to a multiple of 2^-13
+    (1.2e-4): an update below half of that, 6e-5, is rounded away, so most of the weights would never
+    move. Masters cost 2 more bytes per parameter (and AdamW's moments 4 more), which ``model`` saves.
+    The frozen copies (the KL reference, DiffusionNFT's old policy) stay in the policy's dtype, and the
+    export writes the policy's dtype; checkpoints hold the masters, so a resume is exact.
     """
 
     def __init__(
@@ -155,12 +174,18 @@ class TrainableWeights:
         seed: int = 0,
         old_policy: bool = False,
         reference_settings: ReferenceSettings | None = None,
+        master_dtype: Literal["float32", "model"] = "float32",
     ) -> None:
         self.lora = lora
         self.reference_copy = reference_copy
         self.seed = seed
         self.old_policy = old_policy
         self.reference_settings = reference_settings or ReferenceSettings()
+        self.master = master_dtype
+        # The dtype of each parameter of the trained network as the policy loaded it (set by attach):
+        # what the export writes, and what "model" and the compute dtype "auto" refer to.
+        self.loaded_dtypes: dict[str, torch.dtype] = {}
+        self.model_dtype: torch.dtype | None = None
         # A moving reference with LoRA: a stored copy of the adapter's tensors (made on first use, as the
         # old policy's); a full fine-tune's moves the frozen copy's own weights.
         self._ref_state: dict[str, Tensor] | None = None
@@ -191,24 +216,64 @@ class TrainableWeights:
                 "--model.init_args.reference_copy=true is for full fine-tunes: with --model.init_args.lora the reference is the "
                 "network with its adapter switched off; drop one of the two"
             )
+        if self.master not in ("float32", "model"):
+            p.append(f"--model.init_args.master_dtype ({self.master!r}) must be float32 or model")
+        elif self.lora is not None and self.master == "model":
+            p.append(
+                "--model.init_args.master_dtype=model with --model.init_args.lora: a LoRA adapter is always trained in "
+                "float32 (the frozen base keeps the policy's dtype); drop the setting, or set lora: null for a "
+                "full fine-tune in the policy's dtype"
+            )
+        if self.reference_settings.offload and not (self.lora is None and self.reference_copy):
+            p.append(
+                "--model.init_args.reference.offload=true offloads a full fine-tune's frozen reference copy, and this run "
+                "has none (with --model.init_args.lora the reference is the network with its adapter off; a full "
+                "fine-tune needs --model.init_args.reference_copy=true): drop it"
+            )
         return p
 
-    def attach(self, policy: FlowPolicy) -> None:
-        """Make the trained parameters trainable (and only those); called once, after ``policy.load()``."""
+    @property
+    def master_dtype(self) -> torch.dtype | None:
+        """The dtype a full fine-tune's transformer is trained in when it differs from the loaded one
+        (``None``: LoRA, which casts its adapter itself, or ``master_dtype=model``)."""
+        return torch.float32 if self.lora is None and self.master == "float32" else None
+
+    def attach(self, policy: FlowPolicy, cast: bool = True) -> None:
+        """Make the trained parameters trainable (and only those); called once, after ``policy.load()``.
+
+        ``cast``: cast a full fine-tune's transformer to :attr:`master_dtype` now; ``False`` leaves it
+        to the sharding, which casts each block as it shards it (no whole float32 copy on one rank).
+        """
         networks = _networks(policy)
         if self.lora is None and len(networks) > 1:
             from lit_flowgrpo.errors import SettingsError
 
             raise SettingsError(_FULL_FINE_TUNE_OF_SEVERAL.format(networks=len(networks)))
         transformer = policy.transformer
+        self.loaded_dtypes = {n: p.dtype for n, p in transformer.named_parameters()}
+        self.model_dtype = _most_common_dtype(transformer)
         if self.lora is None:
             transformer.requires_grad_(True)
+            # The copies are taken before the cast: they keep the policy's dtype.
             if self.reference_copy:
                 # Kept out of the module tree: never checkpointed, never trained; moved to the policy's
                 # device on first use.
                 self._frozen = copy.deepcopy(transformer).requires_grad_(False).eval()
             if self.old_policy:
                 self._old_network = copy.deepcopy(transformer).requires_grad_(False).eval()
+            if cast and self.master_dtype is not None:
+                from diffusers.training_utils import cast_training_params
+
+                # The same cast as a LoRA adapter's below: parameters only, buffers keep their dtype.
+                cast_training_params(transformer, dtype=self.master_dtype)
+            if self.master == "model" and self.model_dtype != torch.float32:
+                from lightning.pytorch.utilities import rank_zero_warn
+
+                rank_zero_warn(
+                    f"--model.init_args.master_dtype=model: the full fine-tune trains {self.model_dtype} weights in "
+                    "place, and updates smaller than half their rounding step (a few 1e-5 at typical weights) are "
+                    "lost; float32 (the default) keeps master weights"
+                )
             return
         config = self._peft_config(policy)
         from diffusers.training_utils import cast_training_params
@@ -299,7 +364,10 @@ class TrainableWeights:
                 raise RuntimeError(
                     "a moving KL reference of a full fine-tune needs --model.init_args.reference_copy=true"
                 )
-            return zip(self._frozen.parameters(), policy.transformer.parameters(), strict=True)
+            # Shard by shard (the two are sharded alike): an offloaded reference's shards sit in host
+            # memory, the trained ones on the GPU, and this is elementwise.
+            pairs = zip(self._frozen.parameters(), policy.transformer.parameters(), strict=True)
+            return ((_local(r), _local(t)) for r, t in pairs)
         ref = self._ref_lora(policy)
         return ((ref[n], p) for n, p in _trainable_of(policy))
 
@@ -313,7 +381,7 @@ class TrainableWeights:
             for target, source in self._reference_pairs(policy):
                 target.copy_(
                     target * settings.ema_decay
-                    + source.detach().to(target.dtype) * (1.0 - settings.ema_decay)
+                    + source.detach().to(target.device, target.dtype) * (1.0 - settings.ema_decay)
                 )
             return False
         if settings.mode != "refreshed":
@@ -502,7 +570,17 @@ class TrainableWeights:
         if sharded and torch.distributed.get_rank() != 0:
             return f"(rank {torch.distributed.get_rank()} wrote nothing: rank 0 writes {path})"
         if self.lora is None:
+            if state is None and any(
+                p.dtype != self.loaded_dtypes.get(n, p.dtype) for n, p in transformer.named_parameters()
+            ):
+                state = {k: v.detach().cpu() for k, v in transformer.state_dict().items()}
             if state is not None:
+                # In the dtype the policy loaded (bf16 in the recipes), as a bf16 pipeline loads it; the
+                # float32 masters stay in the checkpoints. One tensor at a time, so that the host holds
+                # the masters and one cast copy of a tensor, never both whole.
+                for name, dtype in self.loaded_dtypes.items():
+                    if name in state and state[name].dtype != dtype:
+                        state[name] = state[name].to(dtype)
                 transformer = _unsharded_copy(transformer, state)
             names = {name for name, _ in transformer.named_parameters()}
             write_folder(path, overwrite, transformer.save_pretrained, lambda d: _check_transformer(d, names))
@@ -600,6 +678,21 @@ def _unsharded_copy(module: nn.Module, state: dict[str, torch.Tensor]) -> nn.Mod
     return copy_
 
 
+def _most_common_dtype(module: nn.Module) -> torch.dtype:
+    counts: dict[torch.dtype, int] = {}
+    for p in module.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.__getitem__) if counts else torch.float32
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's shard of a sharded parameter (a view of its storage), else the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
@@ -631,7 +724,8 @@ def _standing_in(policy: FlowPolicy, network: nn.Module) -> Iterator[None]:
             "copy cannot stand in for it"
         )
     device = next(transformer.parameters()).device
-    if next(network.parameters()).device != device:
+    # A sharded network is where FSDP2 put it (an offloaded reference's shards stay in host memory).
+    if next(network.parameters()).device != device and not _is_sharded(network):
         network.to(device)
     policy._modules[name] = network
     try:

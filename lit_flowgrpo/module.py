@@ -22,7 +22,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -44,7 +44,7 @@ from lit_flowgrpo.rewards.base import MultiReward, RewardOutput, as_reward
 from lit_flowgrpo.rewards.overlap import RewardQueue
 from lit_flowgrpo.rollout import RolloutBatch, Sampler, cfg_forwards
 from lit_flowgrpo.step_output import STAGES, StepOutput, ValidationOutput
-from lit_flowgrpo.strategies import shard_networks, strategy_problems
+from lit_flowgrpo.strategies import shard_networks, sharding, strategy_problems
 from lit_flowgrpo.update import (
     IdleRollouts,
     UpdateHooks,
@@ -75,7 +75,12 @@ class FlowGRPOModule(L.LightningModule):
         reference_copy: full fine-tune only: keep a frozen copy of the initial transformer as the
             KL reference (with LoRA the reference is the same network with the adapter disabled).
         reference: where the KL reference sits: the initial model, or one refreshed or averaged
-            along the run (GARDO's adaptive reference; :class:`~lit_flowgrpo.lora.ReferenceSettings`).
+            along the run (GARDO's adaptive reference; :class:`~lit_flowgrpo.lora.ReferenceSettings`),
+            and whether a full fine-tune's frozen copy is kept in host memory (``offload``, fsdp2).
+        master_dtype: the dtype the trained weights are kept in: ``float32`` (the default: master
+            weights, computing in the compute dtype under autocast) or ``model`` (a full fine-tune
+            trains the policy's dtype, bf16, in place, and loses updates smaller than its rounding;
+            saves 2 bytes per parameter and 4 of AdamW's). A LoRA adapter is always float32.
         diagnostics: options of the logged ratio/clip/KL statistics.
         performance: how the transformer computes (dtype, compiled blocks, attention kernel), the
             same in rollout and update.
@@ -96,6 +101,7 @@ class FlowGRPOModule(L.LightningModule):
         lora: LoraSettings | None = LoraSettings(),
         reference_copy: bool = False,
         reference: ReferenceSettings = ReferenceSettings(),
+        master_dtype: Literal["float32", "model"] = "float32",
         diagnostics: DiagnosticsSettings = DiagnosticsSettings(),
         performance: PerformanceSettings = PerformanceSettings(),
         optimizer: OptimizerCallable | None = None,
@@ -117,6 +123,7 @@ class FlowGRPOModule(L.LightningModule):
             seed=seed,
             old_policy=self.objective.old_policy,
             reference_settings=dataclasses.replace(reference),
+            master_dtype=master_dtype,
         )
         self.policy = policy
         self.reward = as_reward(reward)
@@ -185,7 +192,9 @@ class FlowGRPOModule(L.LightningModule):
             problems += self.reward.prompt_problems(
                 {f: list(getattr(dm, a, None) or []) for f, a in parts.items()}
             )
-        problems += strategy_problems(self.trainer, dm, self.performance)
+        problems += strategy_problems(
+            self.trainer, dm, self.performance, offload_reference=self.weights.reference_settings.offload
+        )
         if problems:
             raise SettingsError("invalid settings:\n  " + "\n  ".join(problems))
         check = getattr(self.reward, "check", None)
@@ -196,18 +205,32 @@ class FlowGRPOModule(L.LightningModule):
         if self._configured:
             return
         self.policy.load()
-        self.weights.attach(self.policy)
+        # Sharded, a full fine-tune's master weights are cast block by block as they are sharded.
+        sharded = sharding(self._trainer) is not None
+        weights = self.weights
+        weights.attach(self.policy, cast=not sharded)
         shape = self.policy.attention_shape(self.sampler.height, self.sampler.width)
         device = self._trainer.strategy.root_device if self._trainer is not None else self.device
+        dtypes = dict(model_dtype=weights.model_dtype, master_dtype=weights.master_dtype)
         for network in self.policy.trainable_networks:
-            self.performance.apply(network, shape, device)
+            self.performance.apply(network, shape, device, **dtypes)
+        for network in weights.copies:
+            self.performance.apply_to_copy(network, shape, device, **dtypes)
         self.performance.apply_to_decoder(getattr(self.policy, "vae", None))
         self._configured = True
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.parameters())
         rank_zero_info(f"trainable parameters: {trainable:,} of {total:,}")
         # After the adapter is attached, so that its weights shard with their blocks.
-        shard_networks(self._trainer, *self.policy.trainable_networks, *self.weights.copies)
+        reference = weights.reference_network
+        shard_networks(
+            self._trainer,
+            self.policy.trainable_networks,
+            weights.copies,
+            master_dtype=weights.master_dtype,
+            compute_dtype=self.performance.resolved_dtype(self.policy.transformer, weights.model_dtype),
+            offloaded=[reference] if reference is not None and weights.reference_settings.offload else [],
+        )
 
     def on_fit_start(self) -> None:
         # Frozen networks stay in eval mode on purpose (none may drop out); Lightning reports that on
@@ -303,7 +326,8 @@ class FlowGRPOModule(L.LightningModule):
         for network in self.policy.trainable_networks:
             network.train()
         transformer = self.policy.transformer
-        fp32 = {transformer.dtype, self.performance.resolved_dtype(transformer)} == {torch.float32}
+        compute = self.performance.resolved_dtype(transformer, self.weights.model_dtype)
+        fp32 = {transformer.dtype, compute} == {torch.float32}
         guidance = self.sampler.guidance_scale if self.update.train_cfg else 1.0
         done = run_update(
             self.update,

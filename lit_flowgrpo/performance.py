@@ -5,9 +5,11 @@ the rollout, the update and the KL reference (and the FLOP count) run with the s
 importance ratio at the first update stays at 1 up to the dtype's rounding. A speed-up that made the
 rollout and the update compute differently would show up as policy change and be clipped.
 
-- ``compute_dtype``: the matrix products run under ``torch.autocast`` in the base weights' dtype
-  (bf16 for the shipped recipes). The LoRA weights stay fp32 master weights, as the optimizer needs;
-  without autocast peft computes the adapters in fp32, casting every adapter input to fp32 and back.
+- ``compute_dtype``: the matrix products run under ``torch.autocast`` in the dtype the policy loaded
+  (bf16 for the shipped recipes). The LoRA weights, and a full fine-tune's transformer, stay fp32
+  master weights, as the optimizer needs (``--model.init_args.master_dtype``); without autocast peft
+  computes the adapters in fp32, casting every adapter input to fp32 and back. A full fine-tune's
+  frozen copies (the KL reference, the old policy) keep the loaded dtype and get the same autocast.
 - ``compile_blocks``: ``torch.compile`` of each repeated transformer block (regional compilation, as
   diffusers' ``ModelMixin.compile_repeated_blocks``): one compiled graph serves every block of a
   class, so compiling costs seconds per graph rather than minutes for the whole model. The largest
@@ -55,10 +57,10 @@ class PerformanceSettings:
     """How the policy's transformer computes (rollout, update and reference alike).
 
     Args:
-        compute_dtype: dtype of the transformer's matrix products. ``"auto"``: the dtype of most of
-            its weights (the frozen base: bf16 in the recipes), so fp32 LoRA weights compute in bf16
-            through ``torch.autocast`` while staying fp32 for the optimizer; a float32 base computes
-            in float32. ``"float32"``: no autocast (peft then computes fp32 adapters in fp32).
+        compute_dtype: dtype of the transformer's matrix products. ``"auto"``: the dtype the policy
+            loaded it in (bf16 in the recipes), so fp32 LoRA weights, or a full fine-tune's fp32
+            master weights, compute in bf16 through ``torch.autocast`` while staying fp32 for the
+            optimizer; a float32 model computes in float32. ``"float32"``: no autocast (peft then computes fp32 adapters in fp32).
         compile_blocks: ``torch.compile`` each repeated transformer block (regional compilation).
             The first rollout and the first update compile (about a minute at SD3.5-M scale); each
             new batch shape compiles once more (a short last rollout chunk too).
@@ -145,10 +147,14 @@ class PerformanceSettings:
                 )
         return p
 
-    def resolved_dtype(self, transformer: nn.Module) -> torch.dtype:
-        """The dtype the transformer's matrix products run in."""
+    def resolved_dtype(self, transformer: nn.Module, model_dtype: torch.dtype | None = None) -> torch.dtype:
+        """The dtype the transformer's matrix products run in; ``model_dtype``: the dtype the policy
+        loaded it in, which ``auto`` means when given (a full fine-tune's float32 master weights are
+        not the model's dtype)."""
         if self.compute_dtype != "auto":
             return _DTYPES[self.compute_dtype]
+        if model_dtype is not None:
+            return model_dtype
         counts: Counter[torch.dtype] = Counter()
         for p in transformer.parameters():
             if p.is_floating_point():
@@ -156,16 +162,25 @@ class PerformanceSettings:
         return counts.most_common(1)[0][0] if counts else torch.float32
 
     def apply(
-        self, transformer: nn.Module, attention: AttentionShape | None = None, device: Any = "cpu"
+        self,
+        transformer: nn.Module,
+        attention: AttentionShape | None = None,
+        device: Any = "cpu",
+        model_dtype: torch.dtype | None = None,
+        master_dtype: torch.dtype | None = None,
     ) -> None:
         """Set the transformer up to compute as configured; call once, after the adapter is attached.
 
         ``attention``: the model's attention shape at the run's image size (the policy's
         ``attention_shape``), and ``device`` the one it will run on, for ``attention_backend``.
+        ``model_dtype``: the dtype the policy loaded the transformer in; ``master_dtype``: the dtype a
+        full fine-tune trains it in, when that differs (the weights may not be cast yet: a sharded run
+        casts each block as it shards it).
         """
-        dtype = self.resolved_dtype(transformer)
-        autocast = dtype != torch.float32 and any(
-            p.dtype != dtype for p in transformer.parameters() if p.is_floating_point()
+        dtype = self.resolved_dtype(transformer, model_dtype)
+        autocast = dtype != torch.float32 and (
+            master_dtype not in (None, dtype)
+            or any(p.dtype != dtype for p in transformer.parameters() if p.is_floating_point())
         )
         if autocast:
             from peft.tuners.tuners_utils import BaseTunerLayer
@@ -199,8 +214,28 @@ class PerformanceSettings:
         if self.compile_blocks:
             _compile_repeated_blocks(transformer, self.compile_backend)
 
+    def apply_to_copy(
+        self,
+        network: nn.Module,
+        attention: AttentionShape | None = None,
+        device: Any = "cpu",
+        model_dtype: torch.dtype | None = None,
+        master_dtype: torch.dtype | None = None,
+    ) -> None:
+        """Give a frozen copy of the transformer (a full fine-tune's KL reference or old policy, kept
+        in the model's dtype) the trained transformer's autocast and attention kernels, so that before
+        any update both compute the same velocity: with float32 masters the trained one computes under
+        autocast (norms and softmax in float32), which a bf16 copy would not do by itself."""
+        dtype = self.resolved_dtype(network, model_dtype)
+        autocast = dtype != torch.float32 and master_dtype not in (None, dtype)
+        kernels = self._attention_kernels(attention, device, dtype, quiet=True)
+        if autocast or kernels is not None:
+            scope = _ForwardScope(dtype if autocast else None, kernels and sdpa_backends(kernels))
+            network.register_forward_pre_hook(scope.enter, with_kwargs=True)
+            network.register_forward_hook(scope.exit, always_call=True)
+
     def _attention_kernels(
-        self, shape: AttentionShape | None, device: Any, dtype: torch.dtype
+        self, shape: AttentionShape | None, device: Any, dtype: torch.dtype, quiet: bool = False
     ) -> tuple[str, ...] | None:
         flag = "--model.init_args.performance.attention_backend"
         kernels, warns, errors = choose_kernels(self.attention_backend, shape, capability_of(device), flag)
@@ -212,6 +247,8 @@ class PerformanceSettings:
             )
         if errors:
             raise SettingsError("; ".join(errors))
+        if quiet:  # said once already, for the trained transformer
+            return kernels
         for message in warns:
             rank_zero_warn(message)
         if self.attention_backend == "auto" and kernels is not None:

@@ -13,10 +13,25 @@ Qwen-Image ``transformer_blocks``), then the transformer itself for the rest (em
 projection); a full fine-tune's frozen reference copy the same way. Text encoders and the VAE are frozen
 and only run in the rollout: they stay replicated.
 
-Dtypes: FSDP2 all-gathers each parameter in its own dtype, so the frozen base stays in the policy's
+Dtypes, LoRA: FSDP2 all-gathers each parameter in its own dtype, so the frozen base stays in the policy's
 dtype (bf16), a LoRA adapter in fp32, and every forward computes exactly what it computes unsharded (the
-1-GPU equality depends on it). No ``MixedPrecisionPolicy`` is set: one would cast the fp32 adapter to the
-param dtype inside the forward, a different model from the one the rollout sampled.
+1-GPU equality depends on it). No ``MixedPrecisionPolicy`` is set there: one would cast the fp32 adapter
+to bf16 for the forward, a different model from the one-GPU run (which computes the adapter under
+autocast from its fp32 weights), for little gain (the adapter is a small share of the all-gather).
+
+Dtypes, full fine-tune: the transformer's float32 master weights (``--model.init_args.master_dtype``) are
+sharded, each block cast as it is sharded (no rank holds a whole float32 copy), and each block's unit
+gets ``MixedPrecisionPolicy(param_dtype=<compute dtype>, reduce_dtype=float32)``: the all-gathers move
+bf16, as much as before, and the gradients are reduced and accumulated in float32 into the float32
+shards that the optimizer steps. The root unit (embedders, final norm and projection, about 1% of the
+weights) gathers in float32: the policies cast their inputs to ``transformer.dtype``, which diffusers
+reads off the first parameter, a root one; gathered in bf16, it would read bf16 whenever the root is
+left gathered after a forward (``reshard_after_forward=false``) and float32 otherwise, so FLUX's
+timestep would round differently from one forward to the next. The blocks' matrix products compute
+what one GPU's autocast computes from the same master weights (autocast rounds them to bf16 the same
+way); a parameter used outside a matrix product (an RMSNorm scale) is multiplied in bf16 here and in
+float32 under one GPU's autocast, a rounding apart. Frozen copies (the KL reference, the old policy)
+are sharded in the policy's dtype, without a policy.
 
 Checkpoints hold the trainable parameters only (the frozen base is re-read from ``pretrained``, as on one
 GPU): a folder with one shard file per rank by default (``torch.distributed.checkpoint``), or one file
@@ -25,7 +40,7 @@ gathered on rank 0 with ``save_distributed_checkpoint=False``. Both resume on an
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -139,14 +154,29 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     # -- sharding -----------------------------------------------------------------------------------
 
-    def shard(self, module: nn.Module) -> None:
+    def shard(
+        self,
+        module: nn.Module,
+        master_dtype: torch.dtype | None = None,
+        compute_dtype: torch.dtype | None = None,
+        offload: bool = False,
+    ) -> None:
         """Shard ``module`` for this strategy: one FSDP2 unit per block, then the module itself.
 
         Called by the LightningModule's ``configure_model`` on each network to shard (the trained
         transformer, a frozen reference copy). The module may sit on the CPU: each block moves to its
         device as it is sharded, so no rank ever holds the whole model on the GPU.
+
+        Args:
+            module: the network.
+            master_dtype: cast its trainable parameters to this dtype, block by block, before sharding
+                (a full fine-tune's float32 master weights); ``None`` leaves them.
+            compute_dtype: with ``master_dtype``, the dtype the blocks' weights are all-gathered and
+                computed in (``MixedPrecisionPolicy.param_dtype``; gradients reduce in ``master_dtype``).
+            offload: keep this network's shards in host memory (``CPUOffloadPolicy``), whatever
+                ``cpu_offload`` says: for a frozen copy that only runs forwards.
         """
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         blocks = transformer_blocks(module)
         if not blocks:
@@ -156,14 +186,34 @@ class FSDP2Strategy(ModelParallelStrategy):
             )
         if self.activation_checkpointing and any(p.requires_grad for p in module.parameters()):
             enable_activation_checkpointing(module, f"{_FLAG}.activation_checkpointing")
+        # Pinned host memory needs an accelerator; on CPUs the offload keeps the shards where they are.
+        pin = self.root_device.type == "cuda"
         options: dict[str, Any] = {
             "mesh": self.device_mesh["data_parallel"],
             "reshard_after_forward": self.reshard_after_forward,
-            "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+            "offload_policy": CPUOffloadPolicy(pin_memory=pin)
+            if self.cpu_offload or offload
+            else OffloadPolicy(),
         }
+        block_options, root_options = dict(options), dict(options)
+        if master_dtype is not None:
+            # Inputs are not cast: the policy casts them as on one GPU, and autocast (the transformer's
+            # forward scope) casts each matrix product's operands.
+            param_dtype = compute_dtype if compute_dtype not in (None, master_dtype) else None
+            block_options["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=param_dtype, reduce_dtype=master_dtype, cast_forward_inputs=False
+            )
+            # The root gathers its (few) weights in float32: see the module docstring.
+            root_options["mp_policy"] = MixedPrecisionPolicy(
+                reduce_dtype=master_dtype, cast_forward_inputs=False
+            )
         for block in blocks:
-            fully_shard(block, **options)
-        fully_shard(module, **options)
+            if master_dtype is not None:
+                _cast_trainable(block, master_dtype)
+            fully_shard(block, **block_options)
+        if master_dtype is not None:
+            _cast_trainable(module, master_dtype)  # the root's own: the blocks' are sharded already
+        fully_shard(module, **root_options)
 
     def model_to_device(self) -> None:
         if not self.cpu_offload:
@@ -259,6 +309,16 @@ def _by_name(optim_state: Mapping[str, Any], model: nn.Module) -> dict[str, Any]
     return dict(optim_state)
 
 
+def _cast_trainable(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the trainable, not yet sharded parameters of ``module`` to ``dtype`` in place (as diffusers'
+    ``cast_training_params``, which would also reach the blocks sharded already)."""
+    from torch.distributed.tensor import DTensor
+
+    for p in module.parameters():
+        if p.requires_grad and p.dtype != dtype and not isinstance(p, DTensor):
+            p.data = p.data.to(dtype)
+
+
 def _to_device_except_sharded(module: nn.Module, device: torch.device) -> None:
     from torch.distributed.fsdp import FSDPModule
 
@@ -309,26 +369,50 @@ def unsupported_strategy(cls: type, name: str) -> str | None:
     return None
 
 
-def shard_networks(trainer: Any, *networks: nn.Module | None) -> None:
-    """Shard each network under an :class:`FSDP2Strategy` (``None`` entries skipped); nothing under
-    any other strategy. The module's ``configure_model`` hands over every network it holds (the
-    trained transformer, a frozen reference copy, DiffusionNFT's old policy)."""
+def sharding(trainer: Any) -> FSDP2Strategy | None:
+    """The trainer's :class:`FSDP2Strategy`, or ``None`` under any other strategy (or no trainer)."""
     strategy = getattr(trainer, "strategy", None) if trainer is not None else None
-    if isinstance(strategy, FSDP2Strategy):
-        for network in networks:
-            if network is not None:
-                strategy.shard(network)
+    return strategy if isinstance(strategy, FSDP2Strategy) else None
 
 
-def strategy_problems(trainer: Any, dm: Any, performance: Any) -> list[str]:
+def shard_networks(
+    trainer: Any,
+    trained: Sequence[nn.Module],
+    copies: Sequence[nn.Module] = (),
+    *,
+    master_dtype: torch.dtype | None = None,
+    compute_dtype: torch.dtype | None = None,
+    offloaded: Sequence[nn.Module] = (),
+) -> None:
+    """Shard each network under an :class:`FSDP2Strategy`; nothing under any other strategy. The
+    module's ``configure_model`` hands over every network it holds: the ``trained`` ones (cast to
+    ``master_dtype``, computing in ``compute_dtype``) and the frozen ``copies`` (a reference copy,
+    DiffusionNFT's old policy), of which those in ``offloaded`` keep their shards in host memory."""
+    strategy = sharding(trainer)
+    if strategy is None:
+        return
+    for network in trained:
+        strategy.shard(network, master_dtype=master_dtype, compute_dtype=compute_dtype)
+    for network in copies:
+        strategy.shard(network, offload=any(network is o for o in offloaded))
+
+
+def strategy_problems(trainer: Any, dm: Any, performance: Any, offload_reference: bool = False) -> list[str]:
     """The strategies ``FlowGRPOModule``'s update cannot run under, and what sharding asks of the data
     and the performance settings (checked in ``setup``, before any weight is read)."""
     strategy = trainer.strategy
-    unsupported = unsupported_strategy(
-        type(strategy), getattr(strategy, "strategy_name", None) or type(strategy).__name__
-    )
+    name = getattr(strategy, "strategy_name", None) or type(strategy).__name__
+    unsupported = unsupported_strategy(type(strategy), name)
     if unsupported:
         return [unsupported]
+    if offload_reference and not isinstance(strategy, FSDP2Strategy):
+        # A memory lever the strategy cannot honour is an error, never a silent no-op. Streaming a
+        # whole frozen copy in block by block on one device (diffusers' group offloading) is not wired
+        # here: the reference would then run outside the sharded path every other network takes.
+        return [
+            f"--model.init_args.reference.offload=true needs --trainer.strategy=fsdp2, whose CPUOffloadPolicy "
+            f"streams the reference copy's shards in block by block; under {name} drop it (or shard the run)"
+        ]
     if getattr(performance, "fp8_base_matmuls", False):
         from lit_flowgrpo.fp8 import fp8_supported
 

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
 from lit_flowgrpo.callbacks import RLThroughputMonitor, TrainableEMA
+from lit_flowgrpo.lora import ReferenceSettings
 from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies import SD3Policy
 from lit_flowgrpo.strategies import (  # also registers "fsdp2"
@@ -101,17 +102,21 @@ def build(config: dict[str, Any]) -> tuple[RecordingModule, PromptDataModule]:
     kl_coef = config.get("kl_coef", 0.0)
     module = RecordingModule(
         out=config["out"],
-        policy=SD3Policy(config["pipeline"], dtype="float32", max_sequence_length=16),
+        policy=SD3Policy(config["pipeline"], dtype=config.get("dtype", "float32"), max_sequence_length=16),
         reward=brightness,
         objective=FlowGRPO(clip_range=1e-2, kl_coef=kl_coef),
         # One rollout chunk per rank's share of the batch: a single process then runs exactly the
         # forwards the two ranks run.
         sampler=Sampler(num_steps=3, eval_num_steps=2, height=32, width=32, batch_size=4),
         update=UpdateSettings(
-            micro_batch_size=2, optimizer_steps_per_rollout=1, max_grad_norm=config.get("max_grad_norm")
+            micro_batch_size=config.get("micro_batch_size", 2),
+            optimizer_steps_per_rollout=1,
+            max_grad_norm=config.get("max_grad_norm"),
         ),
         lora=LoraSettings(rank=2, alpha=4) if lora else None,
         reference_copy=not lora and kl_coef > 0,
+        reference=ReferenceSettings(offload=config.get("offload_reference", False)),
+        master_dtype=config.get("master_dtype", "float32"),
         optimizer=functools.partial(torch.optim.SGD, lr=config.get("lr", 0.1)),
         performance=PerformanceSettings(**config.get("performance", {})),
     )
@@ -185,6 +190,23 @@ def run(config: dict[str, Any]) -> None:
             ),
             "flops": [throughput.flops_per_forward, throughput.flops_per_train_forward],
         }
+        if config.get("dtypes"):  # how the trained network and the reference copy are sharded
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            def group(block):
+                return block._get_fsdp_state()._fsdp_param_group
+
+            first = transformer_blocks(transformer)[0]
+            info["param_dtypes"] = sorted({str(p.dtype) for p in transformer.parameters()})
+            info["gather_dtype"] = str(group(first).mp_policy.param_dtype)
+            info["root_gather_dtype"] = str(group(transformer).mp_policy.param_dtype)
+            reference = module.weights.reference_network
+            if reference is not None:
+                info["reference_dtypes"] = sorted({str(p.dtype) for p in reference.parameters()})
+                info["reference_offloaded"] = all(
+                    isinstance(group(b).offload_policy, CPUOffloadPolicy)
+                    for b in [*transformer_blocks(reference), reference]
+                )
         (out / "info.json").write_text(json.dumps(info))
 
 

@@ -38,6 +38,52 @@ def test_scaling_script_runs_one_rollout(size: str, extra: list[str], tmp_path: 
         assert info["exported_ok"] is True
 
 
+@pytest.mark.slow
+def test_scaling_script_full_fine_tune_with_an_offloaded_reference_under_fsdp2(tmp_path: Path) -> None:
+    """The flags of the big full fine-tunes: --full with β > 0 and --offload_reference on 2 gloo ranks
+    (float32 on CPUs: the masters are the model's dtype there), saved, exported and checked."""
+    out = tmp_path / "full"
+    args = [
+        "run",
+        "--strategy",
+        "fsdp2",
+        "--size",
+        "tiny",
+        "--full",
+        "--offload_reference",
+        "--rollouts",
+        "1",
+    ]
+    args += ["--per_gpu", "4", "--global_ranks", "2", "--micro_batch", "2", "--export", "--out", str(out)]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run([*launch, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    info = json.loads((out / "info_rank0.json").read_text())
+    assert info["offload_reference"] is True and info["master_dtype"] == "float32"
+    assert info["reference_copy"] is True and info["exported_ok"] is True
+    assert "full float32 ref-offloaded" in proc.stdout
+    # A lever that cannot apply is refused before anything loads.
+    refused = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "run",
+            "--strategy",
+            "single",
+            "--offload_reference",
+            "--out",
+            str(tmp_path / "x"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        refused.returncode != 0
+        and "--offload_reference offloads a full fine-tune's reference" in refused.stderr
+    )
+
+
 # About 15 processes, 3 at a time at most: 5 to 10 minutes on 2 shared cores, a third of the whole CI.
 # The plan has run on 4 GPUs since (benchmarks/results/big_models_4xH200.json) and each size's code
 # path stays in CI above; run this before changing big_runs.sh: LIT_FLOWGRPO_PLAN_SMOKE=1 pytest -m slow.

@@ -140,3 +140,23 @@ def test_ema_resume_is_bit_exact(tmp_path: Any) -> None:
     assert resumed.ema.keys() == straight.ema.keys()
     for name, value in straight.ema.items():
         assert torch.equal(resumed.ema[name], value), name
+
+
+def test_ema_kept_on_the_host_is_the_same_average(tmp_path: Any) -> None:
+    """``device="cpu"``: the shadows live in host memory and each update averages host copies of the
+    weights; copying is exact, so the EMA equals the default one bit for bit (on a CPU machine this
+    checks the path, not the placement)."""
+    averages = []
+    for device in ("parameters", "cpu"):
+        torch.manual_seed(0)
+        ema = TrainableEMA(decay=0.9, update_every=2, device=device)
+        model = StandIn(opt_steps=3)
+        trainer(tmp_path / device, [ema], limit_train_batches=4).fit(model, loader(4))
+        assert ema.num_updates == 6
+        assert {t.device.type for t in ema.ema.values()} == {"cpu"}
+        averages.append(flat(ema.ema, model))
+        # averaged, not copied (EMAModel copies what does not require grad)
+        assert not torch.equal(averages[-1], model._flat_trainable())
+    assert torch.equal(averages[0], averages[1])
+    with pytest.raises(ValueError, match=r"device \('gpu'\) must be 'parameters' or 'cpu'"):
+        TrainableEMA(device="gpu")  # type: ignore[arg-type]
