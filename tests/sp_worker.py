@@ -58,11 +58,17 @@ class Recorder(FlowGRPOModule):
         ]
         self._path(f"adv_step{batch.step}.json").write_text(json.dumps(rows))
 
+    def on_train_start(self) -> None:
+        self._save_trainable("lora_init.pt")
+
     def on_train_end(self) -> None:
-        state = {n: p.detach().cpu().clone() for n, p in self.named_parameters() if p.requires_grad}
-        if state and hasattr(next(iter(state.values())), "full_tensor"):
-            state = {n: p.full_tensor() for n, p in state.items()}  # FSDP2: a collective, every rank
-        torch.save(state, self._path("lora.pt"))
+        self._save_trainable("lora.pt")
+
+    def _save_trainable(self, name: str) -> None:
+        state = {n: p.detach() for n, p in self.named_parameters() if p.requires_grad}
+        # FSDP2: each DTensor gathered whole (a collective: every rank takes part)
+        state = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in state.items()}
+        torch.save({n: p.cpu().clone() for n, p in state.items()}, self._path(name))
 
     def _path(self, name: str) -> Path:
         return Path(self.out) / f"rank{self.global_rank}_{name}"
@@ -101,7 +107,8 @@ def build(config: dict[str, Any]) -> tuple[Recorder, PromptDataModule]:
         # 4 samples per rollout chunk: every run here draws the same chunks of the same samples, whatever
         # its ranks (4 samples per data-parallel peer with 2 peers, 2 chunks of 4 with one).
         sampler=Sampler(num_steps=3, height=32, width=32, frames=5, guidance_scale=4.5, batch_size=4),
-        update=UpdateSettings(micro_batch_size=2, optimizer_steps_per_rollout=1),
+        # No clipping: a clipped step has the norm of the limit, whatever the gradient's scale.
+        update=UpdateSettings(micro_batch_size=2, optimizer_steps_per_rollout=1, max_grad_norm=None),
         lora=LoraSettings(rank=2, alpha=4),
         # SGD: the weights move by lr × gradient, so a gradient off by a factor (the sp partial
         # gradients averaged instead of summed) moves them visibly; Adam's first step would hide it.
