@@ -44,7 +44,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from profiling import UPDATE_RANGE, ProfileSteps  # benchmarks/ siblings: the script's folder is on sys.path
-from throughput import SPECS, TINY, BenchWanPolicy
+from throughput import SPECS, TINY, BenchWanPolicy, tiny_spec
 from torch import Tensor, nn
 
 from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
@@ -131,6 +131,8 @@ SIZES: dict[str, dict[str, Any]] = {
     "qwen_tiny": dict(TINY["qwenimage"], resolution=64),
     # Wan 2.1 T2V 14B at 480 x 832 px (--resolution sets the height), 33 frames (--frames): videos.
     "wan14b": dict(SPECS["wan14b"], resolution=480, width=832, frames=33),
+    # the tiny Wan pipeline the tests build (2 heads, 8 tokens at 32 px and 5 frames): sp 2 splits it
+    "wan_tiny": dict(tiny_spec("wan1p3b"), resolution=32, frames=5),
 }
 
 # What the family's recipe samples and trains with where it differs from the script's defaults
@@ -148,7 +150,8 @@ RECIPES: dict[str, dict[str, Any]] = {
         lora_alpha=128,
     ),
 }
-DEFAULT_GUIDANCE = {"sd3": 4.5, "flux": 1.0, "qwenimage": 4.0, "wan": 4.5}  # FLUX.1-dev: guidance is an input embedding
+# FLUX.1-dev: guidance is an input embedding; Wan: the Wan recipes' 4.5
+DEFAULT_GUIDANCE = {"sd3": 4.5, "flux": 1.0, "qwenimage": 4.0, "wan": 4.5}
 
 
 def _seeded_random_modules(
@@ -518,6 +521,9 @@ def run(args: argparse.Namespace) -> None:
         sde_window_size=window or None,
         micro_batch=args.micro_batch,
         resolution=resolution,
+        width=spec.get("width", resolution),
+        frames=args.frames or spec.get("frames", 1),
+        sequence_parallel=args.sequence_parallel,
         activation_checkpointing=args.activation_checkpointing,
         reshard_after_forward=args.reshard_after_forward if args.strategy == "fsdp2" else None,
         compile_blocks=args.compile_blocks,
@@ -632,6 +638,9 @@ def summarise(root: Path, name: str, reference: str | None) -> dict[str, Any] | 
         "global_batch": _global_batch(info),
         "micro_batch": info["micro_batch"],
         "resolution": info.get("resolution"),
+        "width": info.get("width", info.get("resolution")),
+        "frames": info.get("frames", 1),
+        "sequence_parallel": info.get("sequence_parallel", 1),
         "activation_checkpointing": info["activation_checkpointing"],
         "reshard_after_forward": info.get("reshard_after_forward"),
         "compile_blocks": info.get("compile_blocks", False),

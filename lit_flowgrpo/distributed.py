@@ -87,6 +87,7 @@ class DataParallel:
         (1/dp)·Σ_peers G/sp: the data-parallel mean, divided by sp. Hence the factor sp (a power of two
         in practice, so the product is exact)."""
         return float(self.sequence_parallel)
+
     def stack(self, x: Tensor) -> Tensor:
         """(…) on each peer → (R, …) on every peer, in rank order."""
         if self.size == 1:

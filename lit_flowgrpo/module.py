@@ -233,7 +233,9 @@ class FlowGRPOModule(L.LightningModule):
             return  # without a trainer (export, evaluation in Python) one process runs the whole sequence
         # Again with the loaded configs: a hub id's first look, and the checkpoint's own numbers.
         frames = getattr(self.sampler, "frames", 1)
-        problems = self.policy.sequence_parallel_problems(sp, self.sampler.height, self.sampler.width, frames, SP_FLAG)
+        problems = self.policy.sequence_parallel_problems(
+            sp, self.sampler.height, self.sampler.width, frames, SP_FLAG
+        )
         if problems:
             raise SettingsError("invalid settings:\n  " + "\n  ".join(problems))
         device = self._trainer.strategy.root_device

@@ -29,7 +29,7 @@ from lit_flowgrpo.strategies import FSDP2Strategy, end_distributed_process
 class Brightness:
     """The mean of each video: a reward every rank computes alike from the same frames."""
 
-    modalities = {"video"}
+    modalities = frozenset({"video"})
 
     def __call__(self, videos, prompts, metadata):
         return videos.mean(dim=(1, 2, 3, 4))

@@ -59,7 +59,10 @@ def tiny_wan(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_ranks_of_a_sequence_parallel_group_are_one_data_parallel_peer(prompt_file):
     def view(rank: int) -> DataParallel:
         trainer = SimpleNamespace(
-            global_rank=rank, world_size=4, strategy=None, lightning_module=SimpleNamespace(sequence_parallel=2)
+            global_rank=rank,
+            world_size=4,
+            strategy=None,
+            lightning_module=SimpleNamespace(sequence_parallel=2),
         )
         return DataParallel.of(trainer)
 
@@ -70,7 +73,10 @@ def test_ranks_of_a_sequence_parallel_group_are_one_data_parallel_peer(prompt_fi
     for rank in range(4):
         dm = PromptDataModule(train=prompt_file, prompts_per_step=2, group_size=4, seed=5)
         dm.trainer = SimpleNamespace(
-            global_rank=rank, world_size=4, strategy=None, lightning_module=SimpleNamespace(sequence_parallel=2)
+            global_rank=rank,
+            world_size=4,
+            strategy=None,
+            lightning_module=SimpleNamespace(sequence_parallel=2),
         )
         batch = next(iter(dm.train_dataloader()))
         batches.append((batch.prompts, batch.sample_ids.tolist(), batch.seeds.tolist()))
@@ -97,9 +103,7 @@ def test_bad_settings_are_refused_before_any_weight_is_read(tiny_wan, tiny_sd3_p
     # 1 latent frame × 3 × 3 patches at 48 px: 9 tokens do not split in two
     assert "must divide the 9 video tokens" in problem(2, sampler=Sampler(height=48, width=48, frames=1))
     assert wan.pipe is None  # all of it from the checkpoint's config files
-    assert PerformanceSettings(sequence_parallel=0).problems() == [
-        f"{FLAG} (0) must be at least 1 (1: off)"
-    ]
+    assert PerformanceSettings(sequence_parallel=0).problems() == [f"{FLAG} (0) must be at least 1 (1: off)"]
 
 
 def test_a_network_without_a_context_parallel_plan_is_refused():
@@ -113,7 +117,15 @@ def test_a_network_without_a_context_parallel_plan_is_refused():
 def torchrun(config: dict, tmp: Path, name: str, procs: int) -> subprocess.Popen:
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(dict(config, out=str(tmp / name), devices=procs)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", WORKER, str(path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={procs}",
+        WORKER,
+        str(path),
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

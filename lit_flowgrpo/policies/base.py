@@ -263,7 +263,9 @@ class FlowPolicy(nn.Module, ABC):
         """Configuration problems found without loading anything (empty when fine)."""
         return []
 
-    def sequence_parallel_problems(self, sp: int, height: int, width: int, frames: int, flag: str) -> list[str]:
+    def sequence_parallel_problems(
+        self, sp: int, height: int, width: int, frames: int, flag: str
+    ) -> list[str]:
         """Why this family cannot split each sample's tokens over ``sp`` ranks at this size (empty when
         it can), found before :meth:`load` where the checkpoint's configs can be read, else after it.
 

@@ -137,7 +137,9 @@ class WanPolicy(FlowPolicy):
             ]
         return []
 
-    def sequence_parallel_problems(self, sp: int, height: int, width: int, frames: int, flag: str) -> list[str]:
+    def sequence_parallel_problems(
+        self, sp: int, height: int, width: int, frames: int, flag: str
+    ) -> list[str]:
         """Wan's transformer has diffusers' context-parallel plan; what Ulysses attention asks: sp divides
         the attention heads (each rank attends with heads/sp) and the video tokens per sample (split in
         equal parts). Read from the checkpoint's configs before loading (a local folder), or from the
@@ -209,7 +211,9 @@ class WanPolicy(FlowPolicy):
                 config = json.load(f)
         except (OSError, ValueError):
             config = {}
-        return int(config.get("scale_factor_spatial", 8)), int(config.get("scale_factor_temporal", WAN_TEMPORAL_FACTOR))
+        return int(config.get("scale_factor_spatial", 8)), int(
+            config.get("scale_factor_temporal", WAN_TEMPORAL_FACTOR)
+        )
 
     @property
     def declared_networks(self) -> int:
