@@ -113,7 +113,9 @@ def build(config: dict[str, Any]) -> tuple[Recorder, PromptDataModule]:
         # SGD: the weights move by lr × gradient, so a gradient off by a factor (the sp partial
         # gradients averaged instead of summed) moves them visibly; Adam's first step would hide it.
         optimizer=functools.partial(torch.optim.SGD, lr=config.get("lr", 1.0)),
-        performance=PerformanceSettings(sequence_parallel=config.get("sp", 1)),
+        performance=PerformanceSettings(
+            sequence_parallel=config.get("sp", 1), **config.get("performance", {})
+        ),
     )
     data = PromptDataModule(train=config["prompts"], prompts_per_step=2, group_size=4, seed=5)
     return module, data
