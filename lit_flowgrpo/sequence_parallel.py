@@ -99,7 +99,7 @@ def attach_sequence_parallel(network: nn.Module, sp: int, device: torch.device) 
             f"set {FLAG}=1"
         )
     if getattr(network, "_parallel_config", None) is not None:
-        return  # attached already (configure_model runs once, but a copy may share the original's config)
+        return  # attached already: a second call would register every hook twice
     mesh = device_mesh(sp, device.type)
     config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=sp, mesh=mesh))
     config.setup(dist.get_rank(), dist.get_world_size(), device, mesh=mesh)
