@@ -44,7 +44,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from profiling import UPDATE_RANGE, ProfileSteps  # benchmarks/ siblings: the script's folder is on sys.path
-from throughput import SPECS, TINY
+from throughput import SPECS, TINY, BenchWanPolicy, tiny_spec
 from torch import Tensor, nn
 
 from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
@@ -130,6 +130,10 @@ SIZES: dict[str, dict[str, Any]] = {
     ),
     # Qwen-Image's classes and public in/out channels, VAE latent statistics and scheduler; 2 blocks.
     "qwen_tiny": dict(TINY["qwenimage"], resolution=64),
+    # Wan 2.1 T2V 14B at 480 x 832 px (--resolution sets the height), 33 frames (--frames): videos.
+    "wan14b": dict(SPECS["wan14b"], resolution=480, width=832, frames=33),
+    # the tiny Wan pipeline the tests build (2 heads, 8 tokens at 32 px and 5 frames): sp 2 splits it
+    "wan_tiny": dict(tiny_spec("wan1p3b"), resolution=32, frames=5),
 }
 
 # What the family's recipe samples and trains with where it differs from the script's defaults
@@ -147,7 +151,8 @@ RECIPES: dict[str, dict[str, Any]] = {
         lora_alpha=128,
     ),
 }
-DEFAULT_GUIDANCE = {"sd3": 4.5, "flux": 1.0, "qwenimage": 4.0}  # FLUX.1-dev: guidance is an input embedding
+# FLUX.1-dev: guidance is an input embedding; Wan: the Wan recipes' 4.5
+DEFAULT_GUIDANCE = {"sd3": 4.5, "flux": 1.0, "qwenimage": 4.0, "wan": 4.5}
 
 
 def _seeded_random_modules(
@@ -297,11 +302,26 @@ class RandomQwenImagePolicy(QwenImagePolicy):
         return {"prompt_embeds": rows(prompt, (1, tokens, text["dim"]))}
 
 
-POLICIES = {"sd3": RandomSD3Policy, "flux": RandomFluxPolicy, "qwenimage": RandomQwenImagePolicy}
+def random_wan_policy(size: str) -> BenchWanPolicy:
+    """benchmarks/throughput.py's Wan on random weights, at this size's spec; built on the rank's GPU."""
+    cuda = torch.cuda.is_available()
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
+    return BenchWanPolicy(SIZES[size], device, "bfloat16" if cuda else "float32")
+
+
+POLICIES = {
+    "sd3": RandomSD3Policy,
+    "flux": RandomFluxPolicy,
+    "qwenimage": RandomQwenImagePolicy,
+    "wan": random_wan_policy,
+}
 
 
 def brightness(images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
-    return images.float().mean(dim=(1, 2, 3))
+    return images.float().flatten(1).mean(1)  # a video's: the mean over its frames
+
+
+brightness.modalities = frozenset({"image", "video"})  # type: ignore[attr-defined]
 
 
 class Recorder(FlowGRPOModule):
@@ -403,7 +423,8 @@ def run(args: argparse.Namespace) -> None:
             sde_window_size=window or None,
             sde_window_range=recipe.get("sde_window_range") if window else None,
             height=resolution,
-            width=resolution,
+            width=spec.get("width", resolution),
+            frames=args.frames or spec.get("frames", 1),
             batch_size=args.per_gpu,  # one rollout chunk per rank's share: 1 GPU runs the same forwards
         ),
         # One optimizer step per rollout: every ratio of the first rollout is then computed with the
@@ -421,6 +442,7 @@ def run(args: argparse.Namespace) -> None:
             activation_checkpointing=args.activation_checkpointing and args.strategy != "fsdp2",
             compile_blocks=args.compile_blocks,
             compile_backend=args.compile_backend,
+            sequence_parallel=args.sequence_parallel,
         ),
         reference_copy=reference_copy,
         reference=ReferenceSettings(offload=args.offload_reference),
@@ -504,6 +526,9 @@ def run(args: argparse.Namespace) -> None:
         sde_window_size=window or None,
         micro_batch=args.micro_batch,
         resolution=resolution,
+        width=spec.get("width", resolution),
+        frames=args.frames or spec.get("frames", 1),
+        sequence_parallel=args.sequence_parallel,
         activation_checkpointing=args.activation_checkpointing,
         reshard_after_forward=args.reshard_after_forward if args.strategy == "fsdp2" else None,
         compile_blocks=args.compile_blocks,
@@ -622,6 +647,9 @@ def summarise(root: Path, name: str, reference: str | None) -> dict[str, Any] | 
         "global_batch": _global_batch(info),
         "micro_batch": info["micro_batch"],
         "resolution": info.get("resolution"),
+        "width": info.get("width", info.get("resolution")),
+        "frames": info.get("frames", 1),
+        "sequence_parallel": info.get("sequence_parallel", 1),
         "activation_checkpointing": info["activation_checkpointing"],
         "reshard_after_forward": info.get("reshard_after_forward"),
         "compile_blocks": info.get("compile_blocks", False),
@@ -849,6 +877,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--size", choices=sorted(SIZES), default="sd35m")
     p.add_argument("--resolution", type=int, default=None, help="image side in pixels (default: the size's)")
     p.add_argument("--per_gpu", type=int, default=16, help="images per GPU per rollout")
+    p.add_argument("--frames", type=int, default=None, help="frames per video (Wan; default: the size's)")
+    p.add_argument(
+        "--sequence_parallel",
+        type=int,
+        default=1,
+        help="PerformanceSettings.sequence_parallel: ranks that split each sample's tokens (Wan)",
+    )
     p.add_argument("--global_ranks", type=int, default=2, help="ranks the global batch is sized for")
     p.add_argument("--micro_batch", type=int, default=8)
     p.add_argument("--rollouts", type=int, default=3)

@@ -229,6 +229,12 @@ SPECS: dict[str, dict[str, Any]] = {
         text=dict(tokens=512, dim=4096),
     ),
 }
+# Wan-AI/Wan2.1-T2V-14B-Diffusers: 40 blocks of 40 x 128 = 5120 wide, FFN 13824; VAE, scheduler and text
+# as the 1.3B's (the schedule's shift does not change the cost of a step).
+SPECS["wan14b"] = dict(
+    SPECS["wan1p3b"],
+    transformer=dict(SPECS["wan1p3b"]["transformer"], num_attention_heads=40, ffn_dim=13824, num_layers=40),
+)
 
 # Tiny configs of the same classes, for the CPU smoke run.
 _TINY_VAE = dict(

@@ -1,9 +1,13 @@
 """The data-parallel view of the trainer's ranks: who this rank's data-parallel peers are, how their
 tensors are gathered and averaged, and how kept samples are re-dealt among them.
 
-Today every rank is a data-parallel peer (DDP, FSDP2 per block), so the view is the trainer's world.
-This is the one place that will have to learn otherwise (sequence parallelism puts several ranks on
-one sample): the module, the data module, the metrics and the callbacks ask it, not
+Without sequence parallelism every rank is a data-parallel peer (DDP, FSDP2 per block), and the view
+is the trainer's world. With ``--model.init_args.performance.sequence_parallel`` = sp > 1 the world is
+a (dp, sp) grid: the sp consecutive ranks ``d·sp … d·sp + sp − 1`` form one sequence-parallel group
+that holds the same samples (the same prompts, seeds, rollouts, rewards and losses) and splits each
+sample's tokens inside the transformer (:mod:`lit_flowgrpo.sequence_parallel`); the groups are the
+data-parallel peers, ``world / sp`` of them, and rank ``r`` is peer ``r // sp``. This is the one place
+that knows it: the module, the data module, the metrics and the callbacks ask it, not
 ``trainer.global_rank`` / ``world_size``.
 """
 
@@ -16,7 +20,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["DataParallel", "balance_moves", "load_balance", "receive_rows", "send_rows"]
+__all__ = [
+    "DataParallel",
+    "balance_moves",
+    "device_mesh",
+    "load_balance",
+    "receive_rows",
+    "send_rows",
+]
+
+#: The mesh's dimension names: data-parallel peers, then diffusers' context-parallel dimensions
+#: (``ContextParallelConfig`` looks its ``"ring"`` and ``"ulysses"`` dimensions up by name).
+MESH_DIMS = ("dp", "ring", "ulysses")
+_MESHES: dict[tuple[Any, ...], Any] = {}
 
 
 @dataclass(frozen=True)
@@ -27,11 +43,13 @@ class DataParallel:
         rank: this rank's index among the peers.
         size: how many peers share the batch.
         strategy: the Lightning strategy whose collectives reach the peers (``None``: one process).
+        sequence_parallel: ranks per peer, which hold the same samples and split their tokens.
     """
 
     rank: int = 0
     size: int = 1
     strategy: Any = None
+    sequence_parallel: int = 1
 
     @classmethod
     def of(cls, trainer: Any) -> DataParallel:
@@ -40,12 +58,35 @@ class DataParallel:
             return cls()
         # getattr: stand-in trainers (tests) carry only what their check reads.
         rank, strategy = getattr(trainer, "global_rank", 0), getattr(trainer, "strategy", None)
-        return cls(rank=rank, size=trainer.world_size, strategy=strategy)
+        sp = sequence_parallel_of(trainer)
+        world = trainer.world_size
+        if world % sp:
+            # The module's setup refuses this first, naming the flag; a view of a partial peer would
+            # deal samples to ranks that do not exist.
+            raise ValueError(f"sequence_parallel ({sp}) does not divide the {world} ranks")
+        return cls(rank=rank // sp, size=world // sp, strategy=strategy, sequence_parallel=sp)
 
     @property
     def group(self) -> Any:
-        """The process group of the peers (``None``: the default group, every rank)."""
-        return None
+        """The process group of the peers (``None``: the default group, every rank): with sequence
+        parallelism, the ranks at this rank's place in every sequence-parallel group."""
+        if self.sequence_parallel == 1:
+            return None
+        return device_mesh(self.sequence_parallel, self.strategy.root_device.type)["dp"].get_group()
+
+    @property
+    def gradient_scale(self) -> float:
+        """What each backward's loss is multiplied by so that the optimizer sees the gradient of one
+        process.
+
+        Each rank of a sequence-parallel group backpropagates the same loss through its own tokens
+        only: its gradient is the part of the full gradient that flows through them (diffusers'
+        gather of the output hands each rank its tokens' slice of the output gradient; the attention's
+        all-to-all carries the cross-token terms to the rank that owns them), and the sp parts sum to
+        the full gradient G. DDP and FSDP2 average the gradients over all dp·sp ranks, which gives
+        (1/dp)·Σ_peers G/sp: the data-parallel mean, divided by sp. Hence the factor sp (a power of two
+        in practice, so the product is exact)."""
+        return float(self.sequence_parallel)
 
     def stack(self, x: Tensor) -> Tensor:
         """(…) on each peer → (R, …) on every peer, in rank order."""
@@ -86,6 +127,33 @@ class DataParallel:
         gathered = {name: self.stack(block) for name, block in blocks.items()}  # (R, width, ...)
         rows, n_kept = receive_rows(rows, kept, moves, self.rank, gathered)
         return {name: t.bool() if name in flags else t for name, t in rows.items()}, n_kept
+
+
+def sequence_parallel_of(trainer: Any) -> int:
+    """Ranks per sample of ``trainer``'s run: what its LightningModule declares as
+    ``sequence_parallel`` (``FlowGRPOModule``: ``performance.sequence_parallel``), else 1."""
+    module = getattr(trainer, "lightning_module", None)
+    sp = getattr(module, "sequence_parallel", 1)
+    return sp if isinstance(sp, int) and sp >= 1 else 1
+
+
+def device_mesh(sequence_parallel: int, device_type: str) -> Any:
+    """The (dp, ring = 1, ulysses = sp) device mesh of the world, built once per process group.
+
+    Rank r sits at (r // sp, 0, r % sp): each sequence-parallel group is sp consecutive ranks (on one
+    node as long as sp divides the GPUs per node, so the attention's all-to-all stays on NVLink). Every
+    rank must call this at the same point the first time (building a mesh creates process groups
+    collectively); ``FlowGRPOModule.configure_model`` does.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    key = (dist.group.WORLD, world, sequence_parallel, device_type)  # a new process group, a new mesh
+    if key not in _MESHES:
+        shape = (world // sequence_parallel, 1, sequence_parallel)
+        _MESHES[key] = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    return _MESHES[key]
 
 
 def balanced_counts(counts: Sequence[int]) -> list[int]:

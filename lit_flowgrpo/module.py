@@ -29,6 +29,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
+from torchmetrics import Metric
 from torchmetrics.aggregation import MeanMetric, SumMetric
 
 from lit_flowgrpo.advantages import AdvantageSettings
@@ -43,6 +44,8 @@ from lit_flowgrpo.policies.base import FlowPolicy, reward_modality_problems
 from lit_flowgrpo.rewards.base import MultiReward, RewardOutput, as_reward
 from lit_flowgrpo.rewards.overlap import RewardQueue
 from lit_flowgrpo.rollout import RolloutBatch, Sampler, cfg_forwards
+from lit_flowgrpo.sequence_parallel import FLAG as SP_FLAG
+from lit_flowgrpo.sequence_parallel import attach_sequence_parallel, sequence_parallel_problems
 from lit_flowgrpo.step_output import STAGES, StepOutput, ValidationOutput
 from lit_flowgrpo.strategies import shard_networks, sharding, strategy_problems
 from lit_flowgrpo.update import (
@@ -154,6 +157,12 @@ class FlowGRPOModule(L.LightningModule):
     def lora(self) -> LoraSettings | None:
         return self.weights.lora
 
+    @property
+    def sequence_parallel(self) -> int:
+        """Ranks that share each sample's tokens (``performance.sequence_parallel``); what
+        :class:`~lit_flowgrpo.distributed.DataParallel` asks to tell data-parallel peers apart."""
+        return self.performance.sequence_parallel
+
     def _problems(self) -> list[str]:
         """Every settings problem, each naming its flag, found before any weight is read."""
         p = self.sampler.problems() + self.advantage.problems(reward=self.reward) + self.update.problems()
@@ -184,7 +193,11 @@ class FlowGRPOModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         # Cross-checks against the data and the world size, still before configure_model loads weights.
         dm = getattr(self.trainer, "datamodule", None)
-        problems: list[str] = []
+        problems = sequence_parallel_problems(
+            self.sequence_parallel, self.trainer.world_size, self.trainer.strategy, self.policy, self.sampler
+        )
+        if problems:  # before anything asks for the data-parallel view, which needs sp to divide the world
+            raise SettingsError("invalid settings:\n  " + "\n  ".join(problems))
         if dm is not None and stage == "fit" and hasattr(dm, "samples_per_step"):
             problems += self.update.batch_problems(dm.samples_per_step, self.data_parallel.size)
         if dm is not None and isinstance(self.reward, MultiReward):
@@ -209,6 +222,7 @@ class FlowGRPOModule(L.LightningModule):
         sharded = sharding(self._trainer) is not None
         weights = self.weights
         weights.attach(self.policy, cast=not sharded)
+        self._split_sequences()
         shape = self.policy.attention_shape(self.sampler.height, self.sampler.width)
         device = self._trainer.strategy.root_device if self._trainer is not None else self.device
         dtypes = dict(model_dtype=weights.model_dtype, master_dtype=weights.master_dtype)
@@ -231,6 +245,29 @@ class FlowGRPOModule(L.LightningModule):
             compute_dtype=self.performance.resolved_dtype(self.policy.transformer, weights.model_dtype),
             offloaded=[reference] if reference is not None and weights.reference_settings.offload else [],
         )
+
+    def _split_sequences(self) -> None:
+        """``performance.sequence_parallel``: diffusers' context-parallel hooks on every transformer the
+        rollout, the update and the reference run (before compiling, so the compiled blocks see them),
+        and the metrics reduced over data-parallel peers only, since the ranks of a group hold the same
+        samples and would count them sp times."""
+        sp = self.sequence_parallel
+        if sp == 1 or self._trainer is None:
+            return  # without a trainer (export, evaluation in Python) one process runs the whole sequence
+        # Again with the loaded configs: a hub id's first look, and the checkpoint's own numbers.
+        frames = getattr(self.sampler, "frames", 1)
+        problems = self.policy.sequence_parallel_problems(
+            sp, self.sampler.height, self.sampler.width, frames, SP_FLAG
+        )
+        if problems:
+            raise SettingsError("invalid settings:\n  " + "\n  ".join(problems))
+        device = self._trainer.strategy.root_device
+        for network in (*self.policy.trainable_networks, *self.weights.copies):
+            attach_sequence_parallel(network, sp, device)
+        group = self.data_parallel.group
+        for metric in self.modules():
+            if isinstance(metric, Metric):
+                metric.process_group = group
 
     def on_fit_start(self) -> None:
         # Frozen networks stay in eval mode on purpose (none may drop out); Lightning reports that on
@@ -418,8 +455,9 @@ class FlowGRPOModule(L.LightningModule):
             key = name.replace("/", "__")
             if key not in self.val_means:
                 # Created lazily: components are known only once the reward has run.
-                self.val_means[key] = MeanMetric(nan_strategy="ignore").to(self.device)
-                self.val_unscored[key] = SumMetric().to(self.device)
+                group = self.data_parallel.group  # data-parallel peers: a sequence-parallel group counts once
+                self.val_means[key] = MeanMetric(nan_strategy="ignore", process_group=group).to(self.device)
+                self.val_unscored[key] = SumMetric(process_group=group).to(self.device)
             values = values.to(self.device)
             self.val_means[key].update(values)
             self.val_unscored[key].update((~torch.isfinite(values)).float())

@@ -29,6 +29,10 @@ rollout and the update compute differently would show up as policy change and be
   delta merged in: one matrix product per layer instead of three. Not exact: the update keeps the
   adapter path, so rollout and update round differently in bf16 (``actor/on_policy_ratio_err``
   reports by how much); off by default.
+- ``sequence_parallel``: each sample's tokens split over this many ranks inside the transformer
+  (diffusers' context parallelism, Ulysses attention; :mod:`lit_flowgrpo.sequence_parallel`), in the
+  rollout, the update and the reference alike; the ranks of one group hold the same samples
+  (:mod:`lit_flowgrpo.distributed`). Exact up to the order of float sums.
 """
 
 from __future__ import annotations
@@ -92,6 +96,12 @@ class PerformanceSettings:
             copy of its base weight, which costs the memory of the adapted weights (bf16). Not exact
             (see the module docstring): watch ``actor/on_policy_ratio_err``. Single-device and DDP
             only (sharded weights cannot be swapped).
+        sequence_parallel: split each sample's tokens over this many ranks (sequence parallelism, for
+            long videos): the world of dp × sp ranks becomes dp data-parallel groups of sp ranks, each
+            group generating and training the same samples, each rank computing every transformer
+            block on 1/sp of the tokens (Ulysses attention: an all-to-all in each self-attention).
+            Must divide the number of ranks, the transformer's attention heads and the video tokens
+            per sample; Wan only; under ``--trainer.strategy=ddp`` or ``fsdp2``. 1: off.
     """
 
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -102,6 +112,7 @@ class PerformanceSettings:
     fp8_base_matmuls: bool = False
     activation_checkpointing: bool = False
     rollout_merged_lora: bool = False
+    sequence_parallel: int = 1
 
     def problems(
         self,
@@ -123,6 +134,10 @@ class PerformanceSettings:
                     f"{flag}.{setting} with a full fine-tune (--model.init_args.lora=null): it {why}; "
                     "set --model.init_args.lora, or drop the setting"
                 )
+        if isinstance(self.sequence_parallel, bool) or not isinstance(self.sequence_parallel, int):
+            p.append(f"{flag}.sequence_parallel ({self.sequence_parallel!r}) must be a whole number of ranks")
+        elif self.sequence_parallel < 1:
+            p.append(f"{flag}.sequence_parallel ({self.sequence_parallel}) must be at least 1 (1: off)")
         if self.compute_dtype not in ("auto", *_DTYPES):
             p.append(
                 f"{flag}.compute_dtype ({self.compute_dtype}) must be auto, float32, bfloat16 or float16"

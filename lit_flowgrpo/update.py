@@ -237,7 +237,9 @@ def run_update(
                     [out.loss.detach(), out.pg_loss.detach(), out.kl.detach(), (~out.loss.isfinite()).float()]
                 )
                 result.num_losses += 1
-                hooks.backward(out.loss / len(chunk))
+                # × sp under sequence parallelism: the gradient reduction averages the sp partial
+                # gradients of each sample instead of summing them (DataParallel.gradient_scale).
+                hooks.backward(out.loss / len(chunk) * dp.gradient_scale)
                 if out.diagnostics is not None:
                     diagnostics.update(**out.diagnostics)
             result.optimizer_steps += int(hooks.optimizer_step())

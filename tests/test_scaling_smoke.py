@@ -84,6 +84,28 @@ def test_scaling_script_full_fine_tune_with_an_offloaded_reference_under_fsdp2(t
     )
 
 
+# slow: two gloo processes, one rollout of the tiny Wan (about 40 s on 2 shared cores)
+@pytest.mark.slow
+def test_scaling_script_splits_each_video_over_two_ranks(tmp_path: Path) -> None:
+    """--sequence_parallel 2 on 2 ranks: one data-parallel peer holding all 8 videos, each counted once
+    (frames/GPU/s divides them by both GPUs)."""
+    out = tmp_path / "wan_sp2"
+    args = ["run", "--strategy", "ddp", "--size", "wan_tiny", "--sequence_parallel", "2", "--rollouts", "1"]
+    args += ["--per_gpu", "8", "--global_ranks", "1", "--micro_batch", "4", "--out", str(out)]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run([*launch, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    info = json.loads((out / "info_rank0.json").read_text())
+    assert (info["world_size"], info["sequence_parallel"], info["frames"]) == (2, 2, 5)
+    rows = [json.loads((out / f"rows_rank{r}_step0.json").read_text()) for r in (0, 1)]
+    assert rows[0] == rows[1] and len(rows[0]) == 8  # one group: the same samples, the same rewards
+    (logged,) = [
+        row for row in json.loads((out / "metrics.json").read_text()).values() if "perf/throughput" in row
+    ]
+    assert logged["perf/total_num_videos"] == 8
+    assert logged["perf/throughput"] == 8 * 5 / (logged["perf/time_per_step"] * 2)
+
+
 # About 15 processes, 3 at a time at most: 5 to 10 minutes on 2 shared cores, a third of the whole CI.
 # The plan has run on 4 GPUs since (benchmarks/results/big_models_4xH200.json) and each size's code
 # path stays in CI above; run this before changing big_runs.sh: LIT_FLOWGRPO_PLAN_SMOKE=1 pytest -m slow.

@@ -215,9 +215,10 @@ class OverOptimizationMonitor(Callback):
             features = torch.cat([f for _, f in parts])
         else:
             features = torch.zeros(0, self._val.num_features, dtype=self._dtype, device=device)
-        if DataParallel.of(trainer).size > 1:
-            ids = torch.cat(gather_all_tensors(ids.to(device).long()))
-            features = torch.cat(gather_all_tensors(features.to(device)))
+        dp = DataParallel.of(trainer)
+        if dp.size > 1:  # over data-parallel peers: a sequence-parallel group holds one copy
+            ids = torch.cat(gather_all_tensors(ids.to(device).long(), group=dp.group))
+            features = torch.cat(gather_all_tensors(features.to(device), group=dp.group))
         self._drift.set_reference(ids.cpu(), features.cpu())
 
     # -- checkpoint -------------------------------------------------------------------------------

@@ -204,8 +204,9 @@ class RLThroughputMonitor(Callback):
             dtype=torch.float64,
             device=pl_module.device,
         )
-        gathered = DataParallel.of(trainer).stack(local).reshape(-1, 2).cpu()  # (N, 2) fp64
-        world_size = gathered.shape[0]
+        dp = DataParallel.of(trainer)
+        gathered = dp.stack(local).reshape(-1, 2).cpu()  # (N, 2) fp64, one row per data-parallel peer
+        world_size = gathered.shape[0] * dp.sequence_parallel  # GPUs: a sequence-parallel group has sp
         step_times, images = gathered[:, 0], gathered[:, 1]
         t_step = float(step_times.max())
         metrics = {

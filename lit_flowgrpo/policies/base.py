@@ -263,6 +263,19 @@ class FlowPolicy(nn.Module, ABC):
         """Configuration problems found without loading anything (empty when fine)."""
         return []
 
+    def sequence_parallel_problems(
+        self, sp: int, height: int, width: int, frames: int, flag: str
+    ) -> list[str]:
+        """Why this family cannot split each sample's tokens over ``sp`` ranks at this size (empty when
+        it can), found before :meth:`load` where the checkpoint's configs can be read, else after it.
+
+        A family that can (its transformer has diffusers' context-parallel plan, and the split was
+        checked against one process) overrides this; the others refuse."""
+        return [
+            f"{flag} ({sp}): {type(self).__name__} does not split its tokens over ranks (sequence parallelism is "
+            f"built and checked for Wan's transformer only): set {flag}=1"
+        ]
+
     def image_size_problems(
         self, height: int, width: int, flags: tuple[str, str] = (HEIGHT_FLAG, WIDTH_FLAG)
     ) -> list[str]:

@@ -137,6 +137,84 @@ class WanPolicy(FlowPolicy):
             ]
         return []
 
+    def sequence_parallel_problems(
+        self, sp: int, height: int, width: int, frames: int, flag: str
+    ) -> list[str]:
+        """Wan's transformer has diffusers' context-parallel plan; what Ulysses attention asks: sp divides
+        the attention heads (each rank attends with heads/sp) and the video tokens per sample (split in
+        equal parts). Read from the checkpoint's configs before loading (a local folder), or from the
+        loaded networks; a hub id is checked once loaded."""
+        import diffusers
+
+        nets = self._network_configs()
+        if nets is None:
+            return []
+        spatial, temporal = self._vae_factors()
+        latent_frames = (frames - 1) // temporal + 1
+        out: list[str] = []
+        for name, config in nets:
+            cls = getattr(diffusers, str(config.get("_class_name")), None)
+            if getattr(cls, "_cp_plan", None) is None:
+                out.append(
+                    f"{flag} ({sp}): {name} ({config.get('_class_name')}) has no context-parallel plan "
+                    f"(diffusers' _cp_plan; diffusers {diffusers.__version__}): set {flag}=1"
+                )
+                continue
+            heads = int(config["num_attention_heads"])
+            if heads % sp:
+                out.append(
+                    f"{flag} ({sp}) must divide the {heads} attention heads of {name} (Ulysses attention gives each "
+                    f"rank heads/sp of them): use a divisor of {heads}"
+                )
+            pt, ph, pw = (int(p) for p in config.get("patch_size", (1, 2, 2)))
+            grid = (latent_frames // pt, height // spatial // ph, width // spatial // pw)
+            tokens = grid[0] * grid[1] * grid[2]
+            if tokens % sp:
+                out.append(
+                    f"{flag} ({sp}) must divide the {tokens} video tokens per sample ({' × '.join(map(str, grid))} "
+                    f"patches at {FRAMES_FLAG}={frames}, {HEIGHT_FLAG}={height}, {WIDTH_FLAG}={width}), which "
+                    "diffusers splits in equal parts: change the size or the setting"
+                )
+        return list(dict.fromkeys(out))  # both experts of Wan 2.2 A14B share one config
+
+    def _network_configs(self) -> list[tuple[str, dict[str, Any]]] | None:
+        """(component, config) of each transformer: the loaded ones, else a local folder's
+        ``<component>/config.json``; ``None`` when neither is at hand (a hub id before loading)."""
+        import json
+        import os
+
+        if self.pipe is not None:
+            names = ("transformer", "transformer_2")
+            return [
+                (name, {**net.config, "_class_name": type(net).__name__})
+                for name, net in zip(names, self.trainable_networks, strict=False)
+            ]
+        out = []
+        for name in ("transformer", "transformer_2"):
+            try:
+                with open(os.path.join(self.pretrained, name, "config.json"), encoding="utf-8") as f:
+                    out.append((name, json.load(f)))
+            except (OSError, ValueError):
+                continue
+        return out or None
+
+    def _vae_factors(self) -> tuple[int, int]:
+        """(spatial, temporal) downsampling of the VAE, as ``WanPipeline`` reads them (8 and 4 unless
+        the VAE's config says otherwise, as Wan 2.2 TI2V-5B's does)."""
+        import json
+        import os
+
+        if self.pipe is not None:
+            return self.pipe.vae_scale_factor_spatial, self.pipe.vae_scale_factor_temporal
+        try:
+            with open(os.path.join(self.pretrained, "vae", "config.json"), encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            config = {}
+        return int(config.get("scale_factor_spatial", 8)), int(
+            config.get("scale_factor_temporal", WAN_TEMPORAL_FACTOR)
+        )
+
     @property
     def declared_networks(self) -> int:
         """Trainable networks the checkpoint holds, read from a local folder's ``model_index.json``
