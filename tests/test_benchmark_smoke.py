@@ -51,18 +51,38 @@ def throughput():
     sys.modules.pop(spec.name, None)
 
 
-def test_tiny_run_writes_the_results_and_table(throughput, tmp_path):
-    summary = throughput.main(tiny_args(tmp_path, "eager,bf16_compute"))
+def test_tiny_run_writes_the_results_table_and_profiles(throughput, tmp_path, monkeypatch):
+    """Two variants with one between them that fails (flash attention with float32 compute, which the
+    settings refuse), each run profiled: the failure is a row of its own, the others and the Fast run
+    are measured and profiled."""
+    listed = throughput.variants
 
-    path = tmp_path / "cpu_sd35m_tiny_32px.json"
+    def with_a_failure(micro_batch):
+        eager, bf16, *rest = listed(micro_batch)
+        broken = throughput.Variant(
+            "broken",
+            "fails",
+            throughput.PerformanceSettings(compute_dtype="float32", attention_backend="flash"),
+        )
+        return [eager, broken, bf16, *rest]
+
+    monkeypatch.setattr(throughput, "variants", with_a_failure)
+    prof = tmp_path / "prof"
+    args = tiny_args(tmp_path, "eager,broken,bf16_compute", "--profile", str(prof), "--tag", "smoke")
+    summary = throughput.main(args)
+
+    path = tmp_path / "cpu_sd35m_tiny_32px_smoke.json"  # --tag: the results file's name
     saved = json.loads(path.read_text())
     assert saved == json.loads(json.dumps(summary))
     assert all(key in saved for key in REQUIRED)
     full = [v for v in saved["variants"] if not v.get("fast")]
-    assert [v["name"] for v in full] == ["eager", "bf16_compute"]
+    assert [v["name"] for v in full] == ["eager", "broken", "bf16_compute"]
+    broken = full[1]
+    assert broken["images_per_gpu_s"] is None and "flash" in broken["error"] and "profile" not in broken
+    ok = [v for v in saved["variants"] if v["name"] != "broken"]
     assert saved["baseline_images_per_gpu_s"] == full[0]["images_per_gpu_s"]
-    assert saved["images_per_gpu_s"] == max(v["images_per_gpu_s"] for v in full)
-    for v in saved["variants"]:
+    assert saved["images_per_gpu_s"] == max(v["images_per_gpu_s"] for v in ok if not v.get("fast"))
+    for v in ok:
         # read back from the callback's perf/throughput and timing_per_image_ms/<stage> keys
         assert (
             v["images_per_gpu_s"] > 0
@@ -72,6 +92,15 @@ def test_tiny_run_writes_the_results_and_table(throughput, tmp_path):
         # bf16 base: the module's own on-policy tolerance
         assert 0 <= v["onpolicy_ratio_abs_dev"] <= 1e-3
         assert v["flops_per_image_forward"] > 0
+        # the step after the measured one, on the CPU's timeline (operators: no kernels here)
+        profile = v["profile"]
+        assert profile["steps"] == [1] and profile["source"] == "cpu_op"
+        for part in ("step", "rollout", "decode", "update"):
+            assert 0 < profile[part]["gpu_busy_fraction"] <= 1 and profile[part]["by_category_ms"]["gemm"] > 0
+        assert profile["decode"]["window_ms"] < profile["rollout"]["window_ms"] < profile["step"]["window_ms"]
+        folder = prof / profile["folder"]  # under --profile: <results name>/<variant>
+        assert folder == prof / "cpu_sd35m_tiny_32px_smoke" / v["name"]
+        assert (folder / "rank0_trace.json.gz").exists() and (folder / "rank0_summary.json").exists()
     assert saved["fast_images_per_gpu_s"] > 0
     fast = saved["variants"][-1]
     assert fast["name"] == "fast_nocfg"
@@ -81,6 +110,10 @@ def test_tiny_run_writes_the_results_and_table(throughput, tmp_path):
     assert "sd35m_tiny_32px on cpu" in table
     for name in ("eager", "bf16_compute", "fast_nocfg"):
         assert f"| {name} |" in table
+    assert "| broken | failed: SettingsError" in table
+    profiles = (prof / "cpu_sd35m_tiny_32px_smoke" / "profiles.txt").read_text()
+    assert all(f"######## {n}" in profiles for n in ("eager", "bf16_compute", "fast_nocfg"))
+    assert "== part decode" in profiles
 
 
 def test_unknown_variant_names_the_choices(throughput, tmp_path):
