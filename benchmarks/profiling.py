@@ -16,7 +16,9 @@ Chrome trace, then a short summary beside it (``rank<r>_summary.txt`` and ``.jso
   which the GPU ran something (the rest is time the GPU waited for the host: launches, Python,
   synchronisations), the GPU time per kernel category (:data:`CATEGORY_RULES`: matrix products,
   attention, convolutions, inductor's fused Triton kernels, other elementwise and reduction kernels,
-  copies, NCCL) and the top kernels with their counts and mean durations.
+  copies, NCCL) and the top kernels with their counts and mean durations;
+- where the profiler recorded shapes (``record_shapes``), the thin matrix products among them
+  (:func:`thin_products`: LoRA's adapters, which kernel names do not tell apart from the base's).
 
 An NCCL kernel's duration includes its wait for the slowest rank to arrive, so "communication time"
 is time the GPU spent inside collectives, not bytes over bandwidth.
@@ -32,6 +34,7 @@ across PyTorch versions. On CPUs there are no kernels: the summary then reads th
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -298,6 +301,81 @@ def breakdown(
     }
 
 
+#: The matrix-product operators, and where their two matrix operands are in ``Input Dims``.
+_MATMUL_OPERANDS = {
+    "aten::mm": (0, 1),
+    "aten::bmm": (0, 1),
+    "aten::_scaled_mm": (0, 1),
+    "aten::addmm": (1, 2),
+    "aten::baddbmm": (1, 2),
+}
+#: A product is thin when its output width N or its inner dimension K is at most this: a LoRA
+#: adapter's down projection (N = rank) and up projection (K = rank) at the usual ranks.
+THIN_DIM = 64
+
+
+def matmul_shapes(trace: dict[str, Any]) -> dict[int, tuple[int, int, int]]:
+    """``(M, N, K)`` of every matrix-product operator recorded with its input shapes (``record_shapes``),
+    by its ``External id`` (the id its kernels carry); a batched product's batch is folded into M."""
+    out = {}
+    for e in trace.get("traceEvents", []):
+        operands = _MATMUL_OPERANDS.get(e.get("name", ""))
+        if operands is None or e.get("cat") != "cpu_op":
+            continue
+        args = e.get("args") or {}
+        dims, ext = args.get("Input Dims"), args.get("External id")
+        try:
+            a, b = dims[operands[0]], dims[operands[1]]
+            rows = math.prod(a[:-1])
+            out[int(ext)] = (int(rows), int(b[-1]), int(a[-1]))
+        except (IndexError, TypeError, ValueError):
+            continue  # no shapes recorded, or not a matrix operand
+    return out
+
+
+def thin_products(
+    trace: dict[str, Any],
+    windows: Sequence[tuple[float, float]] | None,
+    source: str,
+    shapes: dict[int, tuple[int, int, int]],
+    max_dim: int = THIN_DIM,
+) -> dict[str, Any]:
+    """The thin matrix products (:data:`THIN_DIM`) among the kernels (CPU operators) starting inside
+    ``windows``: their count and time, against all the matrix products whose shapes are known, and the
+    costliest shapes. Only a kernel launched by a profiled operator has a shape: a CUDA graph's replay
+    and inductor's own Triton kernels (a max-autotune template) have none, and are left out of both."""
+    bounds = union(windows) if windows else None
+    by_shape: dict[tuple[int, int, int], list[float]] = defaultdict(lambda: [0.0, 0])
+    known = 0.0
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or e.get("cat") != source or "dur" not in e:
+            continue
+        ext = (e.get("args") or {}).get("External id")
+        shape = shapes.get(ext) if isinstance(ext, int) else None
+        if shape is None or (source == "cpu_op" and e.get("name") not in _MATMUL_OPERANDS):
+            continue
+        ts = float(e["ts"])
+        if bounds is not None and not any(start <= ts < end for start, end in bounds):
+            continue
+        known += float(e["dur"])
+        if min(shape[1], shape[2]) <= max_dim:
+            row = by_shape[shape]
+            row[0] += float(e["dur"])
+            row[1] += 1
+    thin = sum(t for t, _ in by_shape.values())
+    return {
+        "max_dim": max_dim,
+        "kernels": int(sum(c for _, c in by_shape.values())),
+        "total_ms": thin * 1e-3,
+        "matmul_ms": known * 1e-3,
+        "share_of_matmuls": thin / known if known else None,
+        "shapes": [
+            {"m": m, "n": n, "k": k, "count": int(c), "total_ms": t * 1e-3}
+            for (m, n, k), (t, c) in sorted(by_shape.items(), key=lambda kv: -kv[1][0])[:8]
+        ],
+    }
+
+
 def part_windows(trace: dict[str, Any], name: str, source: str) -> list[tuple[float, float]]:
     """The wall windows of the part marked ``name``.
 
@@ -326,12 +404,17 @@ def summarise_trace(trace: dict[str, Any], top: int = 15, top_kernels: int = 25)
     windows = trace_windows(trace, UPDATE_RANGE, categories)
     # The busy time counts the copy engines' work too; the communication figures above keep to kernels.
     gpu = [i for c in _GPU_CATEGORIES for i in trace_intervals(trace, c)] if source == "kernel" else intervals
+    shapes = matmul_shapes(trace)
     parts: dict[str, Any] = {}
     for part, name in PART_RANGES.items():
         found = part_windows(trace, name, source)
-        parts[part] = dict(breakdown(gpu, found, top_kernels), ranges=len(found)) if found else None
-    if parts["step"] is None:  # a trace of another harness: the whole trace is the step
-        parts["step"] = dict(breakdown(gpu, None, top_kernels), ranges=0)
+        if not found and part != "step":
+            parts[part] = None
+            continue
+        # a trace of another harness has no step range: the whole trace is the step
+        parts[part] = dict(breakdown(gpu, found or None, top_kernels), ranges=len(found))
+        if shapes:
+            parts[part]["thin_products"] = thin_products(trace, found or None, source, shapes)
     return {
         "source": source,
         "whole": summarise(intervals, None, top),
@@ -394,6 +477,22 @@ def _format_part(part: str, b: dict[str, Any] | None, source: str) -> list[str]:
             f"{k} {v:.1f} ms ({fractions.get(k, 0.0):.0%})" for k, v in b["by_category_ms"].items() if v
         )
     )
+    thin = b.get("thin_products")
+    if thin:
+        share = thin["share_of_matmuls"]
+        lines.append(
+            f"thin matrix products (N or K <= {thin['max_dim']}: LoRA's adapters): {thin['kernels']} kernels, "
+            f"{thin['total_ms']:.1f} ms"
+            + (
+                f" ({share:.1%} of the {thin['matmul_ms']:.1f} ms of products with recorded shapes)"
+                if share is not None
+                else ""
+            )
+            + "".join(
+                f"; {r['m']}x{r['n']}x{r['k']} {r['count']}x {r['total_ms']:.1f} ms"
+                for r in thin["shapes"][:3]
+            )
+        )
     lines.append(f"{'total ms':>10} {'count':>7} {'mean us':>9}  {'category':<11} name")
     for row in b["top_kernels"]:
         lines.append(
@@ -447,8 +546,8 @@ class ProfileSteps(Callback):
         rank: the profiled rank.
         gzip: keep the trace gzipped (``rank0_trace.json.gz``, which Perfetto and chrome://tracing
             open as it is): a step's trace is hundreds of megabytes of repetitive JSON.
-        record_shapes: record the operators' input shapes in the trace, at some cost to the profiled
-            step.
+        record_shapes: record the operators' input shapes (the summary's thin matrix products), at
+            some cost to the profiled step.
     """
 
     def __init__(

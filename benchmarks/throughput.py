@@ -45,7 +45,8 @@ its error, and the next one runs.
 ``--profile DIR`` profiles ``--profile-steps`` more steps of each variant after its measured ones
 (left out of its figures) with ``torch.profiler`` (``profiling.py``): per variant, the trace and a
 summary in ``DIR/<results name>/<variant>/`` (GPU busy share of the step, of the rollout, its decoding
-and the update; GPU time per kernel category; the top kernels), all variants' summaries in
+and the update; GPU time per kernel category; the top kernels; the thin matrix products, LoRA's
+adapters, where operators' shapes were recorded), all variants' summaries in
 ``DIR/<results name>/profiles.txt`` and the headline figures in each variant's ``profile`` key.
     # where the GPU time of the best exact setting goes, and of its CUDA-graph variant
     python benchmarks/throughput.py --model sd35m --variants compile_batch16_decoder \
@@ -787,6 +788,23 @@ def variants(micro_batch: int) -> list[Variant]:
             rollout_batch_size=16,
             micro_batch=16,
         ),
+        # The next levers on the fastest exact setting (no float8, no merged weights). The CUDA graph
+        # modes replay each compiled block's kernels in one launch; autotuning benchmarks Triton
+        # templates against cuBLAS for each product while compiling (minutes more).
+        Variant(
+            "compile_batch16_decoder_cudagraphs",
+            "compile_batch16_decoder + CUDA graphs (compile mode reduce-overhead); bf16, no float8",
+            dataclasses.replace(compiled, compile_decoder=True, compile_mode="reduce-overhead"),
+            rollout_batch_size=16,
+            micro_batch=16,
+        ),
+        Variant(
+            "compile_batch16_decoder_autotune",
+            "compile_batch16_decoder + compile mode max-autotune-no-cudagraphs; bf16, no float8",
+            dataclasses.replace(compiled, compile_decoder=True, compile_mode="max-autotune-no-cudagraphs"),
+            rollout_batch_size=16,
+            micro_batch=16,
+        ),
         Variant(
             "compile_fp8",
             "compile + frozen base weights multiply in float8 (e4m3, a scale per row; not exact)",
@@ -1048,6 +1066,7 @@ def run_training(
         callbacks.append(profiler)
         extra += args.profile_steps
     logger = MemoryLogger()
+    counts_before = compile_counts()
     with tempfile.TemporaryDirectory() as root:
         trainer = L.Trainer(
             accelerator="gpu" if args.device.startswith("cuda") else "cpu",
@@ -1098,6 +1117,9 @@ def run_training(
         result["host_sync_sites"] = dict(sync_counter.sites.most_common(8))
     if profiler is not None:
         result["profile"] = profile_headline(profiler)
+    counts = compile_counts() - counts_before
+    if counts:
+        result["compile_counts"] = dict(counts)
     state = monitor.state_dict()
     del module, trainer, monitor
     _free()
@@ -1173,6 +1195,19 @@ def config_name(args: argparse.Namespace) -> str:
     return config
 
 
+def compile_counts() -> Counter[str]:
+    """torch.compile's process-wide counts that say whether compiled code ran as it was meant to:
+    graph breaks, distinct graphs, and inductor's CUDA graph counts (``cudagraph_skips``: graphs that
+    run without CUDA graphs; torch logs why). A run's are the difference over it."""
+    from torch._dynamo.utils import counters
+
+    out: Counter[str] = Counter(
+        graph_breaks=sum(counters["graph_break"].values()), unique_graphs=counters["stats"]["unique_graphs"]
+    )
+    out.update({k: v for k, v in counters["inductor"].items() if "cudagraph" in k})
+    return out
+
+
 def results_name(args: argparse.Namespace) -> str:
     """``<device>_<config>[_<tag>]``: the results file's name, and the profile's folder."""
     device = torch.device(args.device)
@@ -1203,6 +1238,9 @@ def profile_headline(profiler: Any) -> dict[str, Any]:
                 "gpu_busy_fraction": b["gpu_busy_fraction"],
                 "by_category_ms": b["by_category_ms"],
                 "top5": [(r["name"][:100], r["total_ms"], r["count"]) for r in b["top_kernels"][:5]],
+                "thin_products": {k: v for k, v in b["thin_products"].items() if k != "shapes"}
+                if b.get("thin_products")
+                else None,
             }
         )
     return out
@@ -1275,8 +1313,8 @@ def table(result: dict[str, Any]) -> str:
     for v in result["variants"]:
         ips = v.get("images_per_gpu_s")
         if ips is None:
-            # one table row: the error's first line, without the table's separators
-            error = v.get("error", "?").strip().splitlines()[0].replace("|", "/") if v.get("error") else "?"
+            # one table row: the error on one line, without the table's separators
+            error = " ".join((v.get("error") or "?").split()).replace("|", "/")
             lines.append(f"| {v['name']} | failed: {error[:160]} |")
             continue
         over_base = _ratio(ips, base)
@@ -1425,8 +1463,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=1, help="steps profiled per variant (--profile)")
     p.add_argument(
         "--profile-shapes",
-        action="store_true",
-        help="record the operators' input shapes in the profile's trace (a slower profiled step)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="record the operators' shapes in the profile (its thin products: LoRA's adapters)",
     )
     args = p.parse_args(argv)
     if args.profile and args.rollout_only:
@@ -1479,7 +1518,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         chosen = [dataclasses.replace(v, reward_overlap=args.reward_overlap == "on") for v in chosen]
     if device.type == "cpu":
         # inductor on the CPU needs a compiler toolchain and minutes: the smoke run traces with
-        # aot_eager; cuDNN attention is CUDA-only
+        # aot_eager, which ignores inductor's compile modes (the CUDA graph modes' step marks still
+        # run); cuDNN attention is CUDA-only
         for v in chosen:
             v.performance = dataclasses.replace(
                 v.performance,

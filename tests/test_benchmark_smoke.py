@@ -3,12 +3,14 @@ the callback's figures read back, the results file and its table."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
 REQUIRED = (
@@ -54,21 +56,31 @@ def throughput():
 def test_tiny_run_writes_the_results_table_and_profiles(throughput, tmp_path, monkeypatch):
     """Two variants with one between them that fails (flash attention with float32 compute, which the
     settings refuse), each run profiled: the failure is a row of its own, the others and the Fast run
-    are measured and profiled."""
+    are measured and profiled. The second is the CUDA graph variant: on the CPU its blocks and decoder
+    compile with aot_eager (which ignores the mode), and each no-grad transformer forward begins a
+    CUDA graph step."""
     listed = throughput.variants
 
     def with_a_failure(micro_batch):
-        eager, bf16, *rest = listed(micro_batch)
+        listed_now = listed(micro_batch)
         broken = throughput.Variant(
             "broken",
             "fails",
             throughput.PerformanceSettings(compute_dtype="float32", attention_backend="flash"),
         )
-        return [eager, broken, bf16, *rest]
+        # its settings at this run's batch (its batch of 16 does not divide 2 images)
+        graphs = next(v for v in listed_now if v.name == "compile_batch16_decoder_cudagraphs")
+        graphs = dataclasses.replace(graphs, rollout_batch_size=None, micro_batch=None)
+        return [broken, graphs, *listed_now]
 
     monkeypatch.setattr(throughput, "variants", with_a_failure)
+    marks: list[bool] = []
+    monkeypatch.setattr(
+        throughput.torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(torch.is_grad_enabled())
+    )
     prof = tmp_path / "prof"
-    args = tiny_args(tmp_path, "eager,broken,bf16_compute", "--profile", str(prof), "--tag", "smoke")
+    graphs = "compile_batch16_decoder_cudagraphs"
+    args = tiny_args(tmp_path, f"eager,broken,{graphs}", "--profile", str(prof), "--tag", "smoke")
     summary = throughput.main(args)
 
     path = tmp_path / "cpu_sd35m_tiny_32px_smoke.json"  # --tag: the results file's name
@@ -76,7 +88,10 @@ def test_tiny_run_writes_the_results_table_and_profiles(throughput, tmp_path, mo
     assert saved == json.loads(json.dumps(summary))
     assert all(key in saved for key in REQUIRED)
     full = [v for v in saved["variants"] if not v.get("fast")]
-    assert [v["name"] for v in full] == ["eager", "broken", "bf16_compute"]
+    assert [v["name"] for v in full] == ["eager", "broken", graphs]
+    assert full[2]["performance"]["compile_mode"] == "reduce-overhead"
+    # 2 steps (1 measured, 1 profiled) of 2 sampling steps, and the Fast run's if it has these settings
+    assert len(marks) >= 4 and not any(marks)
     broken = full[1]
     assert broken["images_per_gpu_s"] is None and "flash" in broken["error"] and "profile" not in broken
     ok = [v for v in saved["variants"] if v["name"] != "broken"]
@@ -98,6 +113,7 @@ def test_tiny_run_writes_the_results_table_and_profiles(throughput, tmp_path, mo
         for part in ("step", "rollout", "decode", "update"):
             assert 0 < profile[part]["gpu_busy_fraction"] <= 1 and profile[part]["by_category_ms"]["gemm"] > 0
         assert profile["decode"]["window_ms"] < profile["rollout"]["window_ms"] < profile["step"]["window_ms"]
+        assert profile["update"]["thin_products"]["kernels"] > 0  # shapes recorded (rank-32 LoRA)
         folder = prof / profile["folder"]  # under --profile: <results name>/<variant>
         assert folder == prof / "cpu_sd35m_tiny_32px_smoke" / v["name"]
         assert (folder / "rank0_trace.json.gz").exists() and (folder / "rank0_summary.json").exists()
@@ -108,11 +124,11 @@ def test_tiny_run_writes_the_results_table_and_profiles(throughput, tmp_path, mo
     assert fast["performance"] == best["performance"]  # Fast runs with the fastest full-step settings
     table = (tmp_path / "README.md").read_text()
     assert "sd35m_tiny_32px on cpu" in table
-    for name in ("eager", "bf16_compute", "fast_nocfg"):
+    for name in ("eager", graphs, "fast_nocfg"):
         assert f"| {name} |" in table
     assert "| broken | failed: SettingsError" in table
     profiles = (prof / "cpu_sd35m_tiny_32px_smoke" / "profiles.txt").read_text()
-    assert all(f"######## {n}" in profiles for n in ("eager", "bf16_compute", "fast_nocfg"))
+    assert all(f"######## {n}" in profiles for n in ("eager", graphs, "fast_nocfg"))
     assert "== part decode" in profiles
 
 

@@ -203,3 +203,60 @@ def test_a_trace_without_ranges_is_one_part() -> None:
     assert parts["rollout"] is None and parts["decode"] is None and parts["update"]["ranges"] == 1
     assert parts["step"]["ranges"] == 0 and parts["step"]["window_ms"] == pytest.approx(0.310)
     assert parts["step"]["by_category_ms"]["nccl"] == pytest.approx(0.08)
+
+
+def test_thin_products_by_recorded_shape() -> None:
+    """Kernels linked to their operators' shapes: a LoRA pair (4096x32 down, 32-deep up) is thin, the
+    base product is not, a kernel with no operator (a CUDA graph's replay) is left out."""
+
+    def op(name: str, ext: int, dims: list, ts: float) -> dict:
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": 1,
+                "args": {"External id": ext, "Input Dims": dims}}  # fmt: skip
+
+    def linked(name: str, ext: int, ts: float, dur: float) -> dict:
+        return dict(kernel(name, 7, ts, dur), args={"stream": 7, "External id": ext})
+
+    events = [
+        op("aten::addmm", 1, [[1536], [4096, 1536], [1536, 1536], [], []], 0),
+        op("aten::mm", 2, [[4096, 1536], [1536, 32]], 10),
+        op("aten::mm", 3, [[4096, 32], [32, 1536]], 20),
+        op("aten::linear", 4, [[4096, 1536], [32, 1536]], 30),  # not a product operator itself
+        linked(GEMM, 1, 0, 50),
+        linked("nvjet_small", 2, 50, 6),
+        linked("nvjet_small", 3, 56, 4),
+        kernel(GEMM, 7, 60, 30),  # replayed: no operator, no shape
+        {"ph": "X", "cat": "gpu_user_annotation", "name": profiling.UPDATE_RANGE, "ts": 52, "dur": 40},
+    ]
+    shapes = profiling.matmul_shapes({"traceEvents": events})
+    assert shapes == {1: (4096, 1536, 1536), 2: (4096, 32, 1536), 3: (4096, 1536, 32)}
+    parts = profiling.summarise_trace({"traceEvents": events})["parts"]
+    thin = parts["step"]["thin_products"]
+    assert (thin["kernels"], thin["total_ms"], thin["matmul_ms"]) == (
+        2,
+        pytest.approx(0.01),
+        pytest.approx(0.06),
+    )
+    assert thin["shapes"][0] == {"m": 4096, "n": 32, "k": 1536, "count": 1, "total_ms": pytest.approx(0.006)}
+    update = parts["update"]["thin_products"]  # kernels starting in [52, 92): the up projection only
+    assert update["kernels"] == 1 and update["share_of_matmuls"] == 1.0
+    text = profiling.format_summary(profiling.summarise_trace({"traceEvents": events}), "rank 0")
+    assert "thin matrix products (N or K <= 64: LoRA's adapters): 2 kernels" in text
+    assert "thin_products" not in profiling.summarise_trace(synthetic_trace())["parts"]["step"]
+
+
+def test_thin_products_of_a_real_cpu_trace(tmp_path: Path) -> None:
+    """torch.profiler with shapes, on a LoRA-shaped pair beside a base layer (the CPU operators)."""
+    base, down, up = (
+        torch.nn.Linear(256, 256),
+        torch.nn.Linear(256, 8, bias=False),
+        torch.nn.Linear(8, 256, bias=False),
+    )
+    x = torch.randn(512, 256)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        base(x) + up(down(x))
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    thin = profiling.write_summary(tmp_path / "trace.json", tmp_path / "summary", "cpu")["parts"]["step"][
+        "thin_products"
+    ]
+    assert thin["kernels"] == 2 and 0 < thin["share_of_matmuls"] < 1
+    assert {(r["m"], r["n"], r["k"]) for r in thin["shapes"]} == {(512, 8, 256), (512, 256, 8)}
