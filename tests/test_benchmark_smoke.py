@@ -56,31 +56,21 @@ def throughput():
 def test_tiny_run_writes_the_results_table_and_profiles(throughput, tmp_path, monkeypatch):
     """Two variants with one between them that fails (flash attention with float32 compute, which the
     settings refuse), each run profiled: the failure is a row of its own, the others and the Fast run
-    are measured and profiled. The second is the CUDA graph variant: on the CPU its blocks and decoder
-    compile with aot_eager (which ignores the mode), and each no-grad transformer forward begins a
-    CUDA graph step."""
+    are measured and profiled."""
     listed = throughput.variants
 
     def with_a_failure(micro_batch):
-        listed_now = listed(micro_batch)
+        eager, bf16, *rest = listed(micro_batch)
         broken = throughput.Variant(
             "broken",
             "fails",
             throughput.PerformanceSettings(compute_dtype="float32", attention_backend="flash"),
         )
-        # its settings at this run's batch (its batch of 16 does not divide 2 images)
-        graphs = next(v for v in listed_now if v.name == "compile_batch16_decoder_cudagraphs")
-        graphs = dataclasses.replace(graphs, rollout_batch_size=None, micro_batch=None)
-        return [broken, graphs, *listed_now]
+        return [eager, broken, bf16, *rest]
 
     monkeypatch.setattr(throughput, "variants", with_a_failure)
-    marks: list[bool] = []
-    monkeypatch.setattr(
-        throughput.torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(torch.is_grad_enabled())
-    )
     prof = tmp_path / "prof"
-    graphs = "compile_batch16_decoder_cudagraphs"
-    args = tiny_args(tmp_path, f"eager,broken,{graphs}", "--profile", str(prof), "--tag", "smoke")
+    args = tiny_args(tmp_path, "eager,broken,bf16_compute", "--profile", str(prof), "--tag", "smoke")
     summary = throughput.main(args)
 
     path = tmp_path / "cpu_sd35m_tiny_32px_smoke.json"  # --tag: the results file's name
@@ -88,10 +78,7 @@ def test_tiny_run_writes_the_results_table_and_profiles(throughput, tmp_path, mo
     assert saved == json.loads(json.dumps(summary))
     assert all(key in saved for key in REQUIRED)
     full = [v for v in saved["variants"] if not v.get("fast")]
-    assert [v["name"] for v in full] == ["eager", "broken", graphs]
-    assert full[2]["performance"]["compile_mode"] == "reduce-overhead"
-    # 2 steps (1 measured, 1 profiled) of 2 sampling steps, and the Fast run's if it has these settings
-    assert len(marks) >= 4 and not any(marks)
+    assert [v["name"] for v in full] == ["eager", "broken", "bf16_compute"]
     broken = full[1]
     assert broken["images_per_gpu_s"] is None and "flash" in broken["error"] and "profile" not in broken
     ok = [v for v in saved["variants"] if v["name"] != "broken"]
@@ -124,12 +111,55 @@ def test_tiny_run_writes_the_results_table_and_profiles(throughput, tmp_path, mo
     assert fast["performance"] == best["performance"]  # Fast runs with the fastest full-step settings
     table = (tmp_path / "README.md").read_text()
     assert "sd35m_tiny_32px on cpu" in table
-    for name in ("eager", graphs, "fast_nocfg"):
+    for name in ("eager", "bf16_compute", "fast_nocfg"):
         assert f"| {name} |" in table
     assert "| broken | failed: SettingsError" in table
     profiles = (prof / "cpu_sd35m_tiny_32px_smoke" / "profiles.txt").read_text()
-    assert all(f"######## {n}" in profiles for n in ("eager", graphs, "fast_nocfg"))
+    assert all(f"######## {n}" in profiles for n in ("eager", "bf16_compute", "fast_nocfg"))
     assert "== part decode" in profiles
+
+
+def test_every_variant_is_a_valid_setting_and_the_levers_add_one_each(throughput):
+    listed = {v.name: v for v in throughput.variants(8)}
+    for v in listed.values():
+        assert v.performance.problems() == [], v.name
+    base = dataclasses.asdict(listed["compile_batch16_decoder"].performance)
+    for name, mode in (("cudagraphs", "reduce-overhead"), ("autotune", "max-autotune-no-cudagraphs")):
+        lever = listed[f"compile_batch16_decoder_{name}"]
+        assert dataclasses.asdict(lever.performance) == dict(base, compile_mode=mode)
+        assert (lever.rollout_batch_size, lever.micro_batch) == (16, 16)
+    assert listed["compile_batch16_decoder_cudagraphs"].performance.uses_cudagraphs
+
+
+@pytest.mark.slow
+def test_the_cuda_graph_variant_runs_on_the_cpu(throughput, tmp_path, monkeypatch):
+    """compile_batch16_decoder_cudagraphs through the harness on the CPU (at this run's batch: 16 does
+    not divide 2 images): its blocks and decoder compile with aot_eager, which ignores the mode, and
+    each no-grad transformer forward begins a CUDA graph step (none with gradients)."""
+    listed = throughput.variants
+
+    def at_this_batch(micro_batch):
+        return [
+            dataclasses.replace(v, rollout_batch_size=None, micro_batch=None)
+            if v.name.endswith("cudagraphs")
+            else v
+            for v in listed(micro_batch)
+        ]
+
+    monkeypatch.setattr(throughput, "variants", at_this_batch)
+    marks: list[bool] = []
+    monkeypatch.setattr(
+        torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(torch.is_grad_enabled())
+    )
+    args = tiny_args(
+        tmp_path, "compile_batch16_decoder_cudagraphs", "--no-fast", "--profile", str(tmp_path / "p")
+    )
+    (run,) = throughput.main(args)["variants"]
+    assert run["images_per_gpu_s"] > 0 and run["performance"]["compile_mode"] == "reduce-overhead"
+    assert run["compile_counts"]["unique_graphs"] > 0 and run["profile"]["rollout"]["gpu_busy_fraction"] > 0
+    # the FLOP count's forward at train start, and 2 steps (1 measured, 1 profiled) of 2 sampling
+    # steps, each one CFG forward
+    assert len(marks) == 1 + 4 and not any(marks)
 
 
 def test_unknown_variant_names_the_choices(throughput, tmp_path):
