@@ -38,7 +38,19 @@ rollout chunk beside the sampling of the next (the reward's ``overlap``), after 
 variant both ways.
 
 Results: ``<out>/<device>_<model>.json`` and a markdown table ``<out>/README.md`` (one section per
-results file).
+results file); ``--tag NAME`` appends ``_NAME`` to the file's name, so that a run does not replace a
+recorded one. A variant that fails (a compile mode this GPU refuses) is recorded as a failed row, with
+its error, and the next one runs.
+
+``--profile DIR`` profiles ``--profile-steps`` more steps of each variant after its measured ones
+(left out of its figures) with ``torch.profiler`` (``profiling.py``): per variant, the trace and a
+summary in ``DIR/<results name>/<variant>/`` (GPU busy share of the step, of the rollout, its decoding
+and the update; GPU time per kernel category; the top kernels; the thin matrix products, LoRA's
+adapters, where operators' shapes were recorded), all variants' summaries in
+``DIR/<results name>/profiles.txt`` and the headline figures in each variant's ``profile`` key.
+    # where the GPU time of the best exact setting goes, and of its CUDA-graph variant
+    python benchmarks/throughput.py --model sd35m --variants compile_batch16_decoder \
+        --no-fast --profile prof --tag profile
 """
 
 from __future__ import annotations
@@ -80,6 +92,26 @@ from lit_flowgrpo.policies.qwenimage import QwenImagePolicy
 from lit_flowgrpo.policies.sd3 import SD3Policy
 from lit_flowgrpo.policies.wan import WanPolicy
 from lit_flowgrpo.rewards import MultiReward
+
+
+def _sibling(name: str) -> Any:
+    """A module of this folder: importable as it is when this file runs as a script (its folder is then
+    on ``sys.path``), loaded by path when it is imported from elsewhere (the tests)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        return __import__(name)
+    except ImportError:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+
+
+profiling = _sibling("profiling")
 
 # --------------------------------------------------------------------------------------------------
 # Model specs: the public configs (transformer/config.json, vae/config.json, scheduler of each hub
@@ -366,6 +398,11 @@ class _RandomWeights:
 
     def problems(self) -> list[str]:
         return []  # nothing to read from disk
+
+    def decode(self, latents: Tensor) -> Tensor:
+        # Marked for the profile (its "decode" part); a range costs microseconds per rollout chunk.
+        with torch.profiler.record_function(profiling.DECODE_RANGE):
+            return super().decode(latents)  # type: ignore[misc]
 
     def _build(
         self, transformer_cls: type, vae_cls: type, vae_dtype: torch.dtype | None = None
@@ -678,6 +715,30 @@ def reward_parts(args: argparse.Namespace) -> Iterator[tuple[dict[str, float], d
 
 
 # --------------------------------------------------------------------------------------------------
+# The profile's ranges: the real module and sampler, their stages marked on the profiler's timelines
+# (here rather than in the package: the benchmark is what reads them). Each range costs microseconds a
+# step whether a profiler runs or not.
+# --------------------------------------------------------------------------------------------------
+
+
+class MarkedSampler(Sampler):
+    """:class:`Sampler` with each rollout marked (the profile's "rollout" part: sampling, decoding and
+    handing each chunk to the reward; the reward itself scores in a worker thread, unmarked)."""
+
+    def rollout(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(profiling.ROLLOUT_RANGE):
+            return super().rollout(*args, **kwargs)
+
+
+class MarkedModule(FlowGRPOModule):
+    """:class:`FlowGRPOModule` with its update marked (the profile's "update" part)."""
+
+    def _update(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(profiling.UPDATE_RANGE):
+            return super()._update(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
 # Variants: each lever switched on after the ones before it.
 # --------------------------------------------------------------------------------------------------
 
@@ -730,6 +791,23 @@ def variants(micro_batch: int) -> list[Variant]:
             "compile_batch16_decoder",
             "compile_batch16 + the VAE decoder compiled; exact bf16 (the SD3 recipes' speed settings)",
             dataclasses.replace(compiled, compile_decoder=True),
+            rollout_batch_size=16,
+            micro_batch=16,
+        ),
+        # The next levers on the fastest exact setting (no float8, no merged weights). The CUDA graph
+        # modes replay each compiled block's kernels in one launch; autotuning benchmarks Triton
+        # templates against cuBLAS for each product while compiling (minutes more).
+        Variant(
+            "compile_batch16_decoder_cudagraphs",
+            "compile_batch16_decoder + CUDA graphs (compile mode reduce-overhead); bf16, no float8",
+            dataclasses.replace(compiled, compile_decoder=True, compile_mode="reduce-overhead"),
+            rollout_batch_size=16,
+            micro_batch=16,
+        ),
+        Variant(
+            "compile_batch16_decoder_autotune",
+            "compile_batch16_decoder + compile mode max-autotune-no-cudagraphs; bf16, no float8",
+            dataclasses.replace(compiled, compile_decoder=True, compile_mode="max-autotune-no-cudagraphs"),
             rollout_batch_size=16,
             micro_batch=16,
         ),
@@ -929,7 +1007,7 @@ def run_training(
         # flow_grpo's pickscore_sd3_fast_nocfg: CPS noise 0.8 in a window of 3 steps starting in
         # [0, 2], no CFG in rollout or update, clip 1e-5.
         window = min(3, args.num_steps)
-        sampler = Sampler(
+        sampler = MarkedSampler(
             num_steps=args.num_steps,
             noise_level=0.8,
             sde_type="cps",
@@ -947,7 +1025,7 @@ def run_training(
         # that a video step's update fits the time of one benchmark call.
         nft = args.objective == "diffusion_nft"
         window = args.sde_window_size
-        sampler = Sampler(
+        sampler = MarkedSampler(
             num_steps=args.num_steps,
             noise_level=0.7,
             guidance_scale=1.0 if nft else 4.5,
@@ -959,7 +1037,7 @@ def run_training(
         )
         objective, train_cfg = OBJECTIVES[args.objective](), not nft
     weights, built = rewards
-    module = FlowGRPOModule(
+    module = MarkedModule(
         policy=POLICIES[spec["family"]](spec, args.device, args.dtype),
         reward=MultiReward(weights, rewards=built, overlap=variant.reward_overlap),
         objective=objective,
@@ -978,17 +1056,33 @@ def run_training(
         # The FLOPs per forward do not depend on the variant: counted once, in the first run.
         monitor.load_state_dict(monitor_state)
     sync_counter = SyncCounter(args.warmup + args.steps)
+    callbacks: list[L.Callback] = [monitor, sync_counter] if count_syncs else [monitor]
+    # Extra steps after the measured ones (and the one whose syncs are counted): the profiler slows
+    # the steps it records, so they stay out of the medians.
+    extra = 1 if count_syncs else 0
+    profiler = None
+    if args.profile:
+        profiler = profiling.ProfileSteps(
+            profile_folder(args, variant.name),
+            first=args.warmup + args.steps + extra,
+            count=args.profile_steps,
+            gzip=True,
+            record_shapes=args.profile_shapes,
+        )
+        callbacks.append(profiler)
+        extra += args.profile_steps
     logger = MemoryLogger()
+    counts_before = compile_counts()
     with tempfile.TemporaryDirectory() as root:
         trainer = L.Trainer(
             accelerator="gpu" if args.device.startswith("cuda") else "cpu",
             devices=1,
             max_epochs=1,
-            limit_train_batches=args.warmup + args.steps + (1 if count_syncs else 0),
+            limit_train_batches=args.warmup + args.steps + extra,
             limit_val_batches=0,
             num_sanity_val_steps=0,
             logger=logger,
-            callbacks=[monitor, sync_counter] if count_syncs else [monitor],
+            callbacks=callbacks,
             log_every_n_steps=1,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -999,7 +1093,15 @@ def run_training(
             train=prompt_file, prompts_per_step=args.prompts, group_size=args.group, seed=0
         )
         start = time.perf_counter()
-        trainer.fit(module, datamodule=data)
+        try:
+            trainer.fit(module, datamodule=data)
+        except Exception:
+            # A profiled step that fails (the profiler's memory, say) keeps the measured figures.
+            # (ProfileSteps.on_exception has stopped the profiler and says why in its error.)
+            measured = sum(1 for k in logger.rows if k >= 0) >= args.warmup + args.steps
+            if profiler is None or profiler.error is None or not measured:
+                raise
+            warnings.warn(f"{variant.name}: {profiler.error}", stacklevel=1)
         wall = time.perf_counter() - start
     result = summarise(logger.rows, args.warmup, args.steps, size["frames"])
     if result["reward_compute_s"] is not None:
@@ -1019,6 +1121,11 @@ def run_training(
     if count_syncs:
         result["host_syncs_per_step"] = sum(sync_counter.sites.values())
         result["host_sync_sites"] = dict(sync_counter.sites.most_common(8))
+    if profiler is not None:
+        result["profile"] = profile_headline(profiler)
+    counts = compile_counts() - counts_before
+    if counts:
+        result["compile_counts"] = dict(counts)
     state = monitor.state_dict()
     del module, trainer, monitor
     _free()
@@ -1082,6 +1189,79 @@ def run_rollout(spec: dict[str, Any], variant: Variant, args: argparse.Namespace
     return result
 
 
+def config_name(args: argparse.Namespace) -> str:
+    """The run's configuration in a name: model, size, and the objective and reward where not the default."""
+    config = f"{args.model}{'_tiny' if args.tiny else ''}_{_size_name(args)}"
+    if args.objective != "flow_grpo":
+        config += f"_{args.objective}"
+    if args.reward != "brightness":
+        config += (
+            "_reward_" + args.reward.replace(":", "").replace(".", "_") + ("ms" if ":" in args.reward else "")
+        )
+    return config
+
+
+def compile_counts() -> Counter[str]:
+    """torch.compile's process-wide counts that say whether compiled code ran as it was meant to:
+    graph breaks, distinct graphs, and inductor's CUDA graph counts (``cudagraph_skips``: graphs that
+    run without CUDA graphs; torch logs why). A run's are the difference over it."""
+    from torch._dynamo.utils import counters
+
+    out: Counter[str] = Counter(
+        graph_breaks=sum(counters["graph_break"].values()), unique_graphs=counters["stats"]["unique_graphs"]
+    )
+    out.update({k: v for k, v in counters["inductor"].items() if "cudagraph" in k})
+    return out
+
+
+def results_name(args: argparse.Namespace) -> str:
+    """``<device>_<config>[_<tag>]``: the results file's name, and the profile's folder."""
+    device = torch.device(args.device)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return f"{device_name.replace(' ', '_')}_{config_name(args)}" + (f"_{args.tag}" if args.tag else "")
+
+
+def profile_folder(args: argparse.Namespace, variant: str) -> Path:
+    return Path(args.profile) / results_name(args) / variant
+
+
+def profile_headline(profiler: Any) -> dict[str, Any]:
+    """The profile's figures for the results file: per part of the step its window, GPU busy share and
+    time per kernel category, and the five costliest kernels (the full lists are in the summary)."""
+    # the folder under --profile: the results file says where to look without naming this machine's paths
+    folder = Path(*profiler.folder.parts[-2:])
+    out: dict[str, Any] = {"folder": str(folder), "steps": profiler.steps}
+    if profiler.summary is None:
+        out["error"] = profiler.error or "no profiled step"
+        return out
+    out["source"] = profiler.summary["source"]
+    for part, b in profiler.summary["parts"].items():
+        out[part] = (
+            None
+            if b is None
+            else {
+                "window_ms": b["window_ms"],
+                "gpu_busy_fraction": b["gpu_busy_fraction"],
+                "by_category_ms": b["by_category_ms"],
+                "top5": [(r["name"][:100], r["total_ms"], r["count"]) for r in b["top_kernels"][:5]],
+                "thin_products": {k: v for k, v in b["thin_products"].items() if k != "shapes"}
+                if b.get("thin_products")
+                else None,
+            }
+        )
+    return out
+
+
+def write_profiles(args: argparse.Namespace) -> None:
+    """``profiles.txt`` beside the variants' folders: their summaries one after the other."""
+    root = Path(args.profile) / results_name(args)
+    texts = []
+    for path in sorted(root.glob("*/rank*_summary.txt"), key=lambda p: p.stat().st_mtime):
+        texts.append(f"######## {path.parent.name}\n{path.read_text()}")
+    if texts:
+        (root / "profiles.txt").write_text("\n".join(texts))
+
+
 def _sample_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The sampler's height, width, frames and record dtype of this run."""
     return dict(height=args.height, width=args.width, frames=args.frames, record_dtype=args.record_dtype)
@@ -1139,7 +1319,9 @@ def table(result: dict[str, Any]) -> str:
     for v in result["variants"]:
         ips = v.get("images_per_gpu_s")
         if ips is None:
-            lines.append(f"| {v['name']} | failed: {v.get('error', '?')[:160]} |")
+            # one table row: the error on one line, without the table's separators
+            error = " ".join((v.get("error") or "?").split()).replace("|", "/")
+            lines.append(f"| {v['name']} | failed: {error[:160]} |")
             continue
         over_base = _ratio(ips, base)
         if rollout:
@@ -1198,7 +1380,8 @@ def write_readme(out: Path) -> None:
         "the step's wait for the reward once the rollout was done (`timing_per_image_ms/reward`), `reward",
         "computed` the reward's own time (`reward/latency_s`), both per image, and the share is",
         "`timing_s/reward / timing_s/step`; a name ending `_overlap_on` scored each rollout chunk beside the",
-        "sampling of the next, `_overlap_off` after the rollout.",
+        "sampling of the next, `_overlap_off` after the rollout. A `failed:` row is a variant that raised (its",
+        "error in full in the JSON); the run went on with the next.",
         "Video sections (`--frames`): the image columns count frames, `videos/GPU/s` whole videos; their",
         "setup (steps, trained window, videos per step, micro-batch) is in the section's command.",
         "",
@@ -1274,7 +1457,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="count host syncs in one extra step of the last variant (CUDA)",
     )
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument(
+        "--tag", default=None, help="appended to the results file's name (<device>_<config>_<tag>.json)"
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="profile --profile-steps more steps of each variant (not measured); traces and summaries here",
+    )
+    p.add_argument("--profile-steps", type=int, default=1, help="steps profiled per variant (--profile)")
+    p.add_argument(
+        "--profile-shapes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="record the operators' shapes in the profile (its thin products: LoRA's adapters)",
+    )
     args = p.parse_args(argv)
+    if args.profile and args.rollout_only:
+        p.error("--profile profiles training steps: drop --rollout-only")
+    if args.profile_steps < 1:
+        p.error(f"--profile-steps ({args.profile_steps}) must be at least 1")
+    if args.tag is not None and not args.tag.replace("_", "").replace("-", "").isalnum():
+        p.error(f"--tag {args.tag!r}: letters, digits, - and _ only (it becomes part of a file name)")
     kind, _, latency = args.reward.partition(":")
     if args.reward not in ("brightness", "pickscore_sized", "ocr") and not (
         kind == "remote" and latency.replace(".", "", 1).isdigit()
@@ -1301,13 +1506,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     spec = tiny_spec(args.model) if args.tiny else SPECS[args.model]
     device = torch.device(args.device)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    config = f"{args.model}{'_tiny' if args.tiny else ''}_{_size_name(args)}"
-    if args.objective != "flow_grpo":
-        config += f"_{args.objective}"
-    if args.reward != "brightness":
-        config += (
-            "_reward_" + args.reward.replace(":", "").replace(".", "_") + ("ms" if ":" in args.reward else "")
-        )
+    config, name = config_name(args), results_name(args)
     chosen = variants(args.micro_batch)
     if args.variants:
         names = args.variants.split(",")
@@ -1325,7 +1524,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         chosen = [dataclasses.replace(v, reward_overlap=args.reward_overlap == "on") for v in chosen]
     if device.type == "cpu":
         # inductor on the CPU needs a compiler toolchain and minutes: the smoke run traces with
-        # aot_eager; cuDNN attention is CUDA-only
+        # aot_eager, which ignores inductor's compile modes (the CUDA graph modes' step marks still
+        # run); cuDNN attention is CUDA-only
         for v in chosen:
             v.performance = dataclasses.replace(
                 v.performance,
@@ -1374,8 +1574,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         summary["variants"].append(result)
         print(json.dumps(result), flush=True)
         _finish(summary)
-        (out / f"{summary['device']}_{config}.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (out / f"{name}.json").write_text(json.dumps(summary, indent=2) + "\n")
         write_readme(out)
+        if args.profile:
+            write_profiles(args)
 
     if args.rollout_only:
         for v in chosen:
@@ -1399,8 +1601,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 except Exception as err:  # a lever that fails here is reported, the others still run
                     result = _failed(v, err)
                 record(result)
-            if args.fast:
-                best = max(summary["variants"], key=lambda r: r["images_per_gpu_s"] or 0.0)
+            best = max(summary["variants"], key=lambda r: r["images_per_gpu_s"] or 0.0)
+            if args.fast and best["images_per_gpu_s"] is not None:  # not when every variant failed
                 source = next(v for v in chosen if v.name == best["name"])
                 fast = dataclasses.replace(
                     source,
@@ -1408,7 +1610,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     what=f"Flow-GRPO-Fast (CPS, window 3, no CFG) with {best['name']}'s settings",
                     fast=True,
                 )
-                result, _ = run_training(spec, fast, args, prompt_file, state, rewards)
+                try:
+                    result, _ = run_training(spec, fast, args, prompt_file, state, rewards)
+                except Exception as err:
+                    result = _failed(fast, err)
                 result["fast"] = True
                 record(result)
     print(table(summary), flush=True)

@@ -17,6 +17,23 @@ rollout and the update compute differently would show up as policy change and be
   only because the first rollout and update pay for compiling.
 - ``compile_decoder``: the VAE decoder compiled as well (the rollout's decode, about 6% of it at
   SD3.5-M / 512 px on an H200).
+- ``compile_mode``: torch.compile's mode for everything compiled here. ``"reduce-overhead"`` and
+  ``"max-autotune"`` capture CUDA graphs (inductor's CUDA graph trees), which replay a block's kernels
+  in one launch: the lever for a host that cannot launch kernels as fast as the GPU runs them.
+  ``"max-autotune(-no-cudagraphs)"`` benchmarks Triton templates against cuBLAS for each product at
+  compile time (minutes more per graph).
+
+  CUDA graph trees start a new "step" at each compiled call when no backward is pending, and free
+  the outputs of the previous step. Blocks compiled one by one chain their outputs (block i's output
+  is block i + 1's input), so in a no-grad forward each block would free its own input (PyTorch issue
+  152887: "advise users against using cudagraph when compiling individual transformer blocks"). Once
+  ``torch.compiler.cudagraph_mark_step_begin()`` has been called, steps begin only at such calls; so
+  each no-grad transformer forward (a sampling step, an evaluation, the update's reference and
+  old-policy forwards) begins one, and its blocks chain inside it. Nothing crosses those forwards:
+  the transformer's head, which makes its output, runs eagerly. Forwards with gradients begin none:
+  a step begun between a forward and its backward would free the activations that backward needs;
+  the trees' own tracking of which outputs are still alive keeps them (a forward then records as a
+  child of the previous backward, and replays as one).
 - ``attention_backend``: the ``scaled_dot_product_attention`` kernel (``torch.nn.attention.sdpa_kernel``);
   ``auto`` is PyTorch's choice minus kernels known to fail at the model's shape (:mod:`lit_flowgrpo.attention`).
 - ``fp8_base_matmuls``: the frozen base weights of a LoRA run multiply in float8 (``lit_flowgrpo.fp8``).
@@ -54,6 +71,10 @@ from lit_flowgrpo.errors import SettingsError
 __all__ = ["PerformanceSettings"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: ``torch.compile``'s modes (``None``: its default).
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+#: The modes that run the compiled graphs as CUDA graphs.
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 @dataclass
@@ -73,6 +94,15 @@ class PerformanceSettings:
         compile_decoder: ``torch.compile`` the VAE's decoder too (``vae.decoder``), which turns each
             rollout's latents into images; it recompiles for each new batch shape. Needs
             ``compile_blocks`` (the same backend).
+        compile_mode: ``torch.compile``'s ``mode`` for the blocks and the decoder: ``None`` (torch's
+            default), ``"default"``, ``"reduce-overhead"`` (CUDA graphs), ``"max-autotune"`` (Triton
+            templates benchmarked against cuBLAS at compile time, and CUDA graphs) or
+            ``"max-autotune-no-cudagraphs"``. Inductor's modes: other backends ignore them (with
+            torch's warning), except for the step marks below.
+            The CUDA graph modes begin a CUDA graph step at each no-grad transformer forward (see the
+            module docstring); on a CPU inductor captures no graph and they compile as the others.
+            Measured on one GPU only, and not with ``rollout_merged_lora``, which swaps the weights
+            the graphs read at every rollout.
         attention_backend: the ``scaled_dot_product_attention`` kernel: ``"auto"`` lets PyTorch choose
             (cuDNN first on Hopper), except kernels known to fail at the model's attention shape on
             this GPU (:data:`lit_flowgrpo.attention.KNOWN_FAULTS`: cuDNN at FLUX's 512 px shape);
@@ -108,6 +138,9 @@ class PerformanceSettings:
     compile_blocks: bool = False
     compile_backend: str = "inductor"
     compile_decoder: bool = False
+    compile_mode: (
+        Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None
+    ) = None
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
     fp8_base_matmuls: bool = False
     activation_checkpointing: bool = False
@@ -146,6 +179,21 @@ class PerformanceSettings:
         p += choose_kernels(self.attention_backend, shape, None, f"{flag}.attention_backend")[2]
         if self.compile_decoder and not self.compile_blocks:
             p.append(f"{flag}.compile_decoder needs {flag}.compile_blocks=true (it uses its compile_backend)")
+        if self.compile_mode not in COMPILE_MODES:
+            p.append(
+                f"{flag}.compile_mode ({self.compile_mode}) must be null or one of "
+                f"{', '.join(m for m in COMPILE_MODES if m)} (torch.compile's modes)"
+            )
+        elif self.compile_mode is not None and not self.compile_blocks:
+            p.append(
+                f"{flag}.compile_mode needs {flag}.compile_blocks=true (it is the mode of what that compiles)"
+            )
+        if self.uses_cudagraphs and self.rollout_merged_lora:
+            p.append(
+                f"{flag}.compile_mode={self.compile_mode} (CUDA graphs) and {flag}.rollout_merged_lora: each "
+                "rollout swaps in new merged weights, whose addresses the recorded graphs do not read, so "
+                "they would be recorded again at every rollout; choose one"
+            )
         if self.fp8_base_matmuls and self.rollout_merged_lora:
             p.append(
                 f"{flag}.fp8_base_matmuls and {flag}.rollout_merged_lora: the merged weights would bypass "
@@ -161,6 +209,11 @@ class PerformanceSettings:
                     f"use one of {backends}"
                 )
         return p
+
+    @property
+    def uses_cudagraphs(self) -> bool:
+        """Whether the compiled blocks run as CUDA graphs (``compile_mode``)."""
+        return self.compile_blocks and self.compile_mode in CUDAGRAPH_MODES
 
     def resolved_dtype(self, transformer: nn.Module, model_dtype: torch.dtype | None = None) -> torch.dtype:
         """The dtype the transformer's matrix products run in; ``model_dtype``: the dtype the policy
@@ -206,8 +259,10 @@ class PerformanceSettings:
                 if isinstance(module, BaseTunerLayer):
                     module.cast_input_dtype_enabled = False
         kernels = self._attention_kernels(attention, device, dtype)
-        if autocast or kernels is not None:
-            scope = _ForwardScope(dtype if autocast else None, kernels and sdpa_backends(kernels))
+        if autocast or kernels is not None or self.uses_cudagraphs:
+            scope = _ForwardScope(
+                dtype if autocast else None, kernels and sdpa_backends(kernels), self.uses_cudagraphs
+            )
             transformer.register_forward_pre_hook(scope.enter, with_kwargs=True)
             transformer.register_forward_hook(scope.exit, always_call=True)
         if self.activation_checkpointing:
@@ -227,7 +282,7 @@ class PerformanceSettings:
                     "linear layer (a full fine-tune trains them all): use it with --model.init_args.lora"
                 )
         if self.compile_blocks:
-            _compile_repeated_blocks(transformer, self.compile_backend)
+            _compile_repeated_blocks(transformer, self.compile_backend, self.compile_mode)
 
     def apply_to_copy(
         self,
@@ -282,7 +337,7 @@ class PerformanceSettings:
                 f"--model.init_args.performance.compile_decoder: the policy's VAE ({type(vae).__name__}) has no "
                 "`decoder` module to compile: set it to false"
             )
-        decoder.compile(backend=self.compile_backend, dynamic=False)
+        decoder.compile(backend=self.compile_backend, dynamic=False, mode=self.compile_mode)
 
     @contextmanager
     def sampling_weights(self, *transformers: nn.Module) -> Iterator[None]:
@@ -314,7 +369,8 @@ class PerformanceSettings:
 
 
 class _ForwardScope:
-    """Autocast and the attention backend around each transformer forward.
+    """Autocast and the attention backend around each transformer forward, and the CUDA graph step
+    each no-grad forward begins (``mark_steps``; see the module docstring).
 
     Entered by a forward pre-hook and left by a forward hook that also runs when the forward raises,
     so every caller (the sampler, the update, the reference, FLOP counting) gets the same numerics
@@ -322,12 +378,17 @@ class _ForwardScope:
     names, hence the checkpoints and exported adapters, unchanged.
     """
 
-    def __init__(self, dtype: torch.dtype | None, backends: list[Any] | None) -> None:
+    def __init__(
+        self, dtype: torch.dtype | None, backends: list[Any] | None, mark_steps: bool = False
+    ) -> None:
         self.dtype = dtype
         self.backends = backends
+        self.mark_steps = mark_steps
         self._open: list[ExitStack] = []
 
     def enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self.mark_steps and not torch.is_grad_enabled():
+            torch.compiler.cudagraph_mark_step_begin()
         stack = ExitStack()
         if self.dtype is not None:
             device = next(module.parameters()).device.type
@@ -403,7 +464,7 @@ def _mergeable_lora_layers(transformer: nn.Module) -> list[Any]:
     return layers
 
 
-def _compile_repeated_blocks(transformer: nn.Module, backend: str) -> None:
+def _compile_repeated_blocks(transformer: nn.Module, backend: str, mode: str | None = None) -> None:
     import torch._dynamo
 
     # Each block class × mode (rollout: eval, no grad; update: train, grad) × batch shape is its own
@@ -413,7 +474,7 @@ def _compile_repeated_blocks(transformer: nn.Module, backend: str) -> None:
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), 64))
     for block in _repeated_blocks(transformer, "compile_blocks"):
-        block.compile(backend=backend, dynamic=False)
+        block.compile(backend=backend, dynamic=False, mode=mode)
 
 
 def _repeated_blocks(transformer: nn.Module, setting: str) -> list[nn.Module]:

@@ -3,12 +3,14 @@ the callback's figures read back, the results file and its table."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
 REQUIRED = (
@@ -51,18 +53,38 @@ def throughput():
     sys.modules.pop(spec.name, None)
 
 
-def test_tiny_run_writes_the_results_and_table(throughput, tmp_path):
-    summary = throughput.main(tiny_args(tmp_path, "eager,bf16_compute"))
+def test_tiny_run_writes_the_results_table_and_profiles(throughput, tmp_path, monkeypatch):
+    """Two variants with one between them that fails (flash attention with float32 compute, which the
+    settings refuse), each run profiled: the failure is a row of its own, the others and the Fast run
+    are measured and profiled."""
+    listed = throughput.variants
 
-    path = tmp_path / "cpu_sd35m_tiny_32px.json"
+    def with_a_failure(micro_batch):
+        eager, bf16, *rest = listed(micro_batch)
+        broken = throughput.Variant(
+            "broken",
+            "fails",
+            throughput.PerformanceSettings(compute_dtype="float32", attention_backend="flash"),
+        )
+        return [eager, broken, bf16, *rest]
+
+    monkeypatch.setattr(throughput, "variants", with_a_failure)
+    prof = tmp_path / "prof"
+    args = tiny_args(tmp_path, "eager,broken,bf16_compute", "--profile", str(prof), "--tag", "smoke")
+    summary = throughput.main(args)
+
+    path = tmp_path / "cpu_sd35m_tiny_32px_smoke.json"  # --tag: the results file's name
     saved = json.loads(path.read_text())
     assert saved == json.loads(json.dumps(summary))
     assert all(key in saved for key in REQUIRED)
     full = [v for v in saved["variants"] if not v.get("fast")]
-    assert [v["name"] for v in full] == ["eager", "bf16_compute"]
+    assert [v["name"] for v in full] == ["eager", "broken", "bf16_compute"]
+    broken = full[1]
+    assert broken["images_per_gpu_s"] is None and "flash" in broken["error"] and "profile" not in broken
+    ok = [v for v in saved["variants"] if v["name"] != "broken"]
     assert saved["baseline_images_per_gpu_s"] == full[0]["images_per_gpu_s"]
-    assert saved["images_per_gpu_s"] == max(v["images_per_gpu_s"] for v in full)
-    for v in saved["variants"]:
+    assert saved["images_per_gpu_s"] == max(v["images_per_gpu_s"] for v in ok if not v.get("fast"))
+    for v in ok:
         # read back from the callback's perf/throughput and timing_per_image_ms/<stage> keys
         assert (
             v["images_per_gpu_s"] > 0
@@ -72,6 +94,16 @@ def test_tiny_run_writes_the_results_and_table(throughput, tmp_path):
         # bf16 base: the module's own on-policy tolerance
         assert 0 <= v["onpolicy_ratio_abs_dev"] <= 1e-3
         assert v["flops_per_image_forward"] > 0
+        # the step after the measured one, on the CPU's timeline (operators: no kernels here)
+        profile = v["profile"]
+        assert profile["steps"] == [1] and profile["source"] == "cpu_op"
+        for part in ("step", "rollout", "decode", "update"):
+            assert 0 < profile[part]["gpu_busy_fraction"] <= 1 and profile[part]["by_category_ms"]["gemm"] > 0
+        assert profile["decode"]["window_ms"] < profile["rollout"]["window_ms"] < profile["step"]["window_ms"]
+        assert profile["update"]["thin_products"]["kernels"] > 0  # shapes recorded (rank-32 LoRA)
+        folder = prof / profile["folder"]  # under --profile: <results name>/<variant>
+        assert folder == prof / "cpu_sd35m_tiny_32px_smoke" / v["name"]
+        assert (folder / "rank0_trace.json.gz").exists() and (folder / "rank0_summary.json").exists()
     assert saved["fast_images_per_gpu_s"] > 0
     fast = saved["variants"][-1]
     assert fast["name"] == "fast_nocfg"
@@ -81,6 +113,53 @@ def test_tiny_run_writes_the_results_and_table(throughput, tmp_path):
     assert "sd35m_tiny_32px on cpu" in table
     for name in ("eager", "bf16_compute", "fast_nocfg"):
         assert f"| {name} |" in table
+    assert "| broken | failed: SettingsError" in table
+    profiles = (prof / "cpu_sd35m_tiny_32px_smoke" / "profiles.txt").read_text()
+    assert all(f"######## {n}" in profiles for n in ("eager", "bf16_compute", "fast_nocfg"))
+    assert "== part decode" in profiles
+
+
+def test_every_variant_is_a_valid_setting_and_the_levers_add_one_each(throughput):
+    listed = {v.name: v for v in throughput.variants(8)}
+    for v in listed.values():
+        assert v.performance.problems() == [], v.name
+    base = dataclasses.asdict(listed["compile_batch16_decoder"].performance)
+    for name, mode in (("cudagraphs", "reduce-overhead"), ("autotune", "max-autotune-no-cudagraphs")):
+        lever = listed[f"compile_batch16_decoder_{name}"]
+        assert dataclasses.asdict(lever.performance) == dict(base, compile_mode=mode)
+        assert (lever.rollout_batch_size, lever.micro_batch) == (16, 16)
+    assert listed["compile_batch16_decoder_cudagraphs"].performance.uses_cudagraphs
+
+
+@pytest.mark.slow
+def test_the_cuda_graph_variant_runs_on_the_cpu(throughput, tmp_path, monkeypatch):
+    """compile_batch16_decoder_cudagraphs through the harness on the CPU (at this run's batch: 16 does
+    not divide 2 images): its blocks and decoder compile with aot_eager, which ignores the mode, and
+    each no-grad transformer forward begins a CUDA graph step (none with gradients)."""
+    listed = throughput.variants
+
+    def at_this_batch(micro_batch):
+        return [
+            dataclasses.replace(v, rollout_batch_size=None, micro_batch=None)
+            if v.name.endswith("cudagraphs")
+            else v
+            for v in listed(micro_batch)
+        ]
+
+    monkeypatch.setattr(throughput, "variants", at_this_batch)
+    marks: list[bool] = []
+    monkeypatch.setattr(
+        torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(torch.is_grad_enabled())
+    )
+    args = tiny_args(
+        tmp_path, "compile_batch16_decoder_cudagraphs", "--no-fast", "--profile", str(tmp_path / "p")
+    )
+    (run,) = throughput.main(args)["variants"]
+    assert run["images_per_gpu_s"] > 0 and run["performance"]["compile_mode"] == "reduce-overhead"
+    assert run["compile_counts"]["unique_graphs"] > 0 and run["profile"]["rollout"]["gpu_busy_fraction"] > 0
+    # the FLOP count's forward at train start, and 2 steps (1 measured, 1 profiled) of 2 sampling
+    # steps, each one CFG forward
+    assert len(marks) == 1 + 4 and not any(marks)
 
 
 def test_unknown_variant_names_the_choices(throughput, tmp_path):

@@ -127,6 +127,64 @@ def test_compiled_blocks_compute_what_eager_blocks_compute(tiny_sd3_path):
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
+def test_compile_mode_is_checked_and_names_the_flag():
+    flag = "--model.init_args.performance.compile_mode"
+    (bad,) = PerformanceSettings(compile_blocks=True, compile_mode="fastest").problems()  # type: ignore[arg-type]
+    assert bad.startswith(f"{flag} (fastest) must be null or one of default, reduce-overhead")
+    (alone,) = PerformanceSettings(compile_mode="max-autotune").problems()
+    assert alone.startswith(flag) and "compile_blocks=true" in alone
+    (merged,) = PerformanceSettings(
+        compile_blocks=True, compile_mode="reduce-overhead", rollout_merged_lora=True
+    ).problems()
+    assert merged.startswith(f"{flag}=reduce-overhead (CUDA graphs)") and "rollout_merged_lora" in merged
+    for mode in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
+        settings = PerformanceSettings(compile_blocks=True, compile_mode=mode)
+        assert settings.problems() == []
+        assert settings.uses_cudagraphs == (mode in ("reduce-overhead", "max-autotune"))
+    assert not PerformanceSettings(compile_mode="reduce-overhead").uses_cudagraphs  # nothing compiled
+
+
+def test_compile_mode_reaches_every_compiled_module(tiny_sd3_path, monkeypatch):
+    compiled: dict[str, dict] = {}
+
+    def record(module, *args, **kwargs):  # what torch.compile would be given, without compiling
+        compiled[type(module).__name__ + str(id(module))] = kwargs
+
+    monkeypatch.setattr(torch.nn.Module, "compile", record)
+    settings = PerformanceSettings(
+        compile_blocks=True, compile_decoder=True, compile_mode="max-autotune-no-cudagraphs"
+    )
+    policy = adapted_policy(tiny_sd3_path, "float32", settings)
+    settings.apply_to_decoder(policy.vae)
+    blocks = len(policy.transformer.transformer_blocks)
+    assert len(compiled) == blocks + 1  # every block and the decoder
+    assert all(
+        k == {"backend": "inductor", "dynamic": False, "mode": "max-autotune-no-cudagraphs"}
+        for k in compiled.values()
+    )
+
+
+def test_cuda_graph_modes_begin_a_step_at_each_no_grad_forward(tiny_sd3_path, monkeypatch):
+    """The step marks of the CUDA graph modes (see lit_flowgrpo.performance): one before each no-grad
+    transformer forward, none before a forward whose backward is to come. The eager backend ignores
+    the mode, so the blocks run compiled without inductor and without CUDA graphs here."""
+    marks: list[bool] = []
+    monkeypatch.setattr(
+        torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(torch.is_grad_enabled())
+    )
+    for mode, expected in (("reduce-overhead", 2), ("max-autotune-no-cudagraphs", 0)):
+        marks.clear()
+        settings = PerformanceSettings(compile_blocks=True, compile_backend="eager", compile_mode=mode)
+        policy = adapted_policy(tiny_sd3_path, "float32", settings)
+        inputs = velocity_inputs(policy)
+        with torch.no_grad():
+            first = policy.velocity(*inputs, 4.5)
+            assert torch.equal(policy.velocity(*inputs, 4.5), first)
+        policy.transformer.train()
+        policy.velocity(*inputs, 4.5).square().mean().backward()
+        assert marks == [False] * expected, (mode, marks)
+
+
 def test_merged_sampling_computes_the_adapted_model_and_restores_the_weights(tiny_sd3_path):
     settings = PerformanceSettings(rollout_merged_lora=True)
     policy = adapted_policy(tiny_sd3_path, "float32", settings)
