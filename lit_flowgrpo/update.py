@@ -3,7 +3,8 @@
 One rollout batch is walked ``num_inner_epochs`` times; each walk cuts the kept samples into
 micro-batches and makes the objective's visits to each (today: every trained step), with an optimizer
 step after each of ``optimizer_steps_per_rollout`` contiguous chunks of those (micro-batch, visit)
-pairs (Flow-GRPO's gradient accumulation). The objective computes what one visit costs
+pairs (Flow-GRPO's gradient accumulation, with each kept sample weighing alike in a step's loss,
+whatever its micro-batch and rank). The objective computes what one visit costs
 (:meth:`~lit_flowgrpo.objective.Objective.visit`); the module hands the loop its backward, its
 optimizer step and its logging (:class:`UpdateHooks`), so Lightning's precision and DDP hooks stay
 in the path.
@@ -112,6 +113,10 @@ class UpdateSettings:
             out.append(units[start:end])
             start = end
         return [c for c in out if c]
+
+    def live_rows(self, kept: int, m: int) -> int:
+        """How many of micro-batch ``m``'s rows are real samples on a rank that keeps ``kept``."""
+        return max(0, min(self.micro_batch_size, kept - m * self.micro_batch_size))
 
     def micro_batch(self, order: Tensor, m: int, batch: int) -> tuple[Tensor, int]:
         """Indices of micro-batch ``m`` of ``order`` and how many are real: the first ``live``. The
@@ -222,6 +227,12 @@ def run_update(
         # stay as they were: objectives that draw per visit (DiffusionNFT) derive theirs from it.
         epoch_ctx = dataclasses.replace(ctx, seed=generator.initial_seed() * 1_009 + epoch)
         for chunk in settings.chunks(n_micro, n_visits):
+            # An optimizer step's loss is the mean over every (sample, visit) its chunk trains, on
+            # every peer: a visit's loss (a mean over its live rows) weighs live / (the chunk's live
+            # rows on all peers), times the peers, whose gradients DDP and FSDP2 average. Weighing each
+            # micro-batch alike would give the samples of a short last micro-batch, and of a peer that
+            # kept fewer, more weight than the rest.
+            chunk_rows = sum(settings.live_rows(n, m) for n in result.kept_per_rank for m, _ in chunk)
             for m, v in chunk:
                 idx, live = settings.micro_batch(order, m, len(batch))
                 out = objective.visit(epoch_ctx, batch, idx, live, visits[v])
@@ -239,7 +250,7 @@ def run_update(
                 result.num_losses += 1
                 # × sp under sequence parallelism: the gradient reduction averages the sp partial
                 # gradients of each sample instead of summing them (DataParallel.gradient_scale).
-                hooks.backward(out.loss / len(chunk) * dp.gradient_scale)
+                hooks.backward(out.loss * (live * dp.size / chunk_rows) * dp.gradient_scale)
                 if out.diagnostics is not None:
                     diagnostics.update(**out.diagnostics)
             result.optimizer_steps += int(hooks.optimizer_step())

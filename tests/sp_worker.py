@@ -17,8 +17,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.loggers import Logger
-from lightning.pytorch.utilities import rank_zero_only
+from fsdp_worker import MemoryLogger
 
 from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
 from lit_flowgrpo.performance import PerformanceSettings
@@ -72,30 +71,6 @@ class Recorder(FlowGRPOModule):
 
     def _path(self, name: str) -> Path:
         return Path(self.out) / f"rank{self.global_rank}_{name}"
-
-
-class MemoryLogger(Logger):
-    """Rank 0's logged rows, written to ``metrics.json`` at the end."""
-
-    name = "memory"
-    version = 0
-
-    def __init__(self, path: Path) -> None:
-        super().__init__()
-        self.path = path
-        self.rows: dict[int, dict[str, float]] = {}
-
-    @rank_zero_only
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.rows.setdefault(int(step or 0), {}).update({k: float(v) for k, v in metrics.items()})
-
-    @rank_zero_only
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    @rank_zero_only
-    def finalize(self, status: str) -> None:
-        self.path.write_text(json.dumps(self.rows))
 
 
 def build(config: dict[str, Any]) -> tuple[Recorder, PromptDataModule]:

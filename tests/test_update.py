@@ -137,6 +137,72 @@ def test_chunks_scale_the_backward_and_step_after_each() -> None:
     assert loss == pytest.approx(float(batch.advantages.sum())) and nonfinite == 0
 
 
+@dataclass
+class Mean(Counting):
+    """Loss = w · mean advantage of the live rows: a mean over the visit's samples, as every
+    objective's loss is."""
+
+    def visit(self, ctx: VisitContext, batch: RolloutBatch, idx: Tensor, live: int, v: int) -> Visit:
+        out = super().visit(ctx, batch, idx, live, v)
+        loss = out.loss / live if live else out.loss
+        return Visit(loss, loss, out.kl, out.on_policy_error, out.diagnostics)
+
+
+@dataclass(frozen=True)
+class OtherPeer(DataParallel):
+    """Rank 0 of two peers, the other of which keeps ``other_kept`` samples: what its gather of the
+    kept counts returns (the rest of the loop asks nothing else of the peers here)."""
+
+    other_kept: int = 0
+
+    def gather(self, x: Tensor) -> Tensor:
+        return torch.cat([x, torch.tensor([float(self.other_kept)])])
+
+    def mean(self, x: Tensor) -> Tensor:
+        return x
+
+
+def _backward_sum(batch: RolloutBatch, dp: DataParallel, **settings) -> float:
+    rec = Recorder()
+    ctx = VisitContext(policy=None, weights=None, guidance=1.0)  # type: ignore[arg-type]
+    settings = dict(micro_batch_size=4, optimizer_steps_per_rollout=1) | settings
+    run_update(
+        UpdateSettings(**settings), Mean(num_visits=2), ctx, batch, rec.hooks(), rec,  # type: ignore[arg-type]
+        dp=dp, generator=torch.Generator().manual_seed(0), on_policy_tol=1e-3, forwards_per_sample=1,
+    )  # fmt: skip
+    return sum(rec.backward)  # w = 1: the gradient of the step's loss with respect to w
+
+
+def test_each_kept_sample_weighs_alike_whatever_its_micro_batch_and_peer() -> None:
+    """The optimizer step's loss is the mean over the (sample, visit) pairs it trains: a short last
+    micro-batch (5 kept samples in micro-batches of 4 and 1) and a peer that keeps fewer (5 against
+    2) give each sample the same weight. Weighing micro-batches alike would give the lone sample of
+    the short micro-batch 4 times the weight of the others."""
+    torch.manual_seed(0)
+    a = rollout(5, 1)
+    a.advantages.copy_(torch.tensor([0.5, -1.0, 2.0, 0.25, 3.0]))
+    assert _backward_sum(a, DataParallel()) == pytest.approx(float(a.advantages.mean()), rel=1e-6)
+    # Two peers: DDP averages their gradients, so the pair's gradient is (g0 + g1) / 2.
+    b = rollout(2, 1)
+    b.advantages.copy_(torch.tensor([-4.0, 1.5]))
+    g0 = _backward_sum(a, OtherPeer(rank=0, size=2, other_kept=2))
+    g1 = _backward_sum(b, OtherPeer(rank=0, size=2, other_kept=5))
+    everything = torch.cat([a.advantages, b.advantages])
+    assert (g0 + g1) / 2 == pytest.approx(float(everything.mean()), rel=1e-6)
+    # Two optimizer steps: each chunk's loss is the mean over its own rows (micro-batch 0's 4 rows,
+    # then micro-batch 1's lone row), each step taken on its own.
+    rec, objective = Recorder(), Mean(num_visits=1)
+    ctx = VisitContext(policy=None, weights=None, guidance=1.0)  # type: ignore[arg-type]
+    run_update(
+        UpdateSettings(micro_batch_size=4, optimizer_steps_per_rollout=2), objective, ctx, a,
+        rec.hooks(), rec, dp=DataParallel(), generator=torch.Generator().manual_seed(0),  # type: ignore[arg-type]
+        on_policy_tol=1e-3, forwards_per_sample=1,
+    )  # fmt: skip
+    assert [live for _, live, _ in objective.seen] == [4, 1] and rec.steps == 2
+    expected = [float(a.advantages[idx[:live]].mean()) for idx, live, _ in objective.seen]
+    assert rec.backward == pytest.approx(expected, rel=1e-6)
+
+
 def test_dropped_samples_leave_padding_rows_that_do_not_count() -> None:
     objective = Counting(num_visits=1)
     keep = [True, False, True, False, False, True]
