@@ -288,9 +288,7 @@ def test_fsdp2_full_finetune_saves_resumes_and_exports(tiny_sd3_path, prompt_fil
 
 # slow: a sharded run and a single-process run of a bf16 full fine-tune (about a minute on 2 cores).
 @pytest.mark.slow
-def test_fsdp2_float32_masters_equal_single_process(
-    tiny_sd3_path, prompt_file, tmp_path
-):
+def test_fsdp2_float32_masters_equal_single_process(tiny_sd3_path, prompt_file, tmp_path):
     """A full fine-tune of the bf16 tiny SD3 with float32 master weights and a frozen reference (β > 0):
     sharded on two ranks (float32 shards, blocks gathered in bf16, gradients reduced in float32) it
     ends with the single process's weights within the float32 bounds of :func:`check_equal_single`
