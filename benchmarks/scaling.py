@@ -394,6 +394,10 @@ class StepClock(Callback):
 def run(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.text_tokens:  # the policies read SIZES[size] when they load
+        SIZES[args.size] = dict(
+            SIZES[args.size], text=dict(SIZES[args.size]["text"], tokens=args.text_tokens)
+        )
     spec = SIZES[args.size]
     family = spec["family"]
     recipe = RECIPES.get(family, {})
@@ -417,7 +421,7 @@ def run(args: argparse.Namespace) -> None:
         reward=brightness,
         objective=objective,
         sampler=Sampler(
-            num_steps=10,
+            num_steps=args.num_steps,
             noise_level=recipe.get("noise_level", 0.7),
             guidance_scale=guidance,
             sde_window_size=window or None,
@@ -524,6 +528,8 @@ def run(args: argparse.Namespace) -> None:
         guidance_scale=guidance,
         train_cfg=guidance > 1,
         sde_window_size=window or None,
+        num_steps=args.num_steps,
+        text_tokens=spec["text"]["tokens"] if "text" in spec else None,
         micro_batch=args.micro_batch,
         resolution=resolution,
         width=spec.get("width", resolution),
@@ -643,6 +649,8 @@ def summarise(root: Path, name: str, reference: str | None) -> dict[str, Any] | 
         "guidance_scale": info.get("guidance_scale"),
         "train_cfg": info.get("train_cfg"),
         "sde_window_size": info.get("sde_window_size"),
+        "num_steps": info.get("num_steps", 10),  # runs recorded before the flag sampled 10 steps
+        "text_tokens": info.get("text_tokens"),
         "images_per_gpu": info["per_gpu"],
         "global_batch": _global_batch(info),
         "micro_batch": info["micro_batch"],
@@ -766,6 +774,7 @@ EXPORT_CLASSES = {
     "sd3": ("StableDiffusion3Pipeline", "SD3Transformer2DModel"),
     "flux": ("FluxPipeline", "FluxTransformer2DModel"),
     "qwenimage": ("QwenImagePipeline", "QwenImageTransformer2DModel"),
+    "wan": ("WanPipeline", "WanTransformer3DModel"),
 }
 
 
@@ -842,6 +851,12 @@ def _bool(text: str) -> bool:
 def problems(args: argparse.Namespace) -> list[str]:
     """Every problem with the run's flags, before anything is loaded."""
     p = []
+    if args.num_steps < 2:
+        p.append(f"--num_steps ({args.num_steps}) must be 2 or more")
+    if args.text_tokens is not None and (args.text_tokens < 1 or "text" not in SIZES[args.size]):
+        p.append(
+            f"--text_tokens ({args.text_tokens}) must be 1 or more, with an image size that has text embeddings"
+        )
     if args.per_gpu * args.global_ranks % 8:
         p.append("--per_gpu × --global_ranks must be a multiple of the group size 8")
     if not args.reshard_after_forward and args.strategy != "fsdp2":
@@ -878,6 +893,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--resolution", type=int, default=None, help="image side in pixels (default: the size's)")
     p.add_argument("--per_gpu", type=int, default=16, help="images per GPU per rollout")
     p.add_argument("--frames", type=int, default=None, help="frames per video (Wan; default: the size's)")
+    p.add_argument(
+        "--num_steps",
+        type=int,
+        default=10,
+        help="sampling steps per rollout (flow_grpo's FLUX recipe: 6, with --sde_window_size 0 training 5)",
+    )
+    p.add_argument(
+        "--text_tokens",
+        type=int,
+        default=None,
+        help="prompt tokens of the random text embeddings (default: the size's; FLUX.1-dev 512, flow_grpo's "
+        "FLUX recipe 128)",
+    )
     p.add_argument(
         "--sequence_parallel",
         type=int,

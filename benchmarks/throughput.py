@@ -412,10 +412,15 @@ class _RandomWeights:
         scheduler_cls = getattr(
             diffusers, self.spec.get("scheduler_class", "FlowMatchEulerDiscreteScheduler")
         )
-        with _building_on(self.build_device, self.build_dtype):
-            transformer = _frozen(transformer_cls(**self.spec["transformer"]))
-        with _building_on(self.build_device, vae_dtype or self.build_dtype):
-            vae = _frozen(vae_cls(**self.spec["vae"]))
+        # Seeded alike in every process: the ranks of a sharded run hold one model, and a resumed run
+        # the model its checkpoint's adapter was trained on.
+        cuda = [self.build_device] if self.build_device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(0)
+            with _building_on(self.build_device, self.build_dtype):
+                transformer = _frozen(transformer_cls(**self.spec["transformer"]))
+            with _building_on(self.build_device, vae_dtype or self.build_dtype):
+                vae = _frozen(vae_cls(**self.spec["vae"]))
         return transformer, vae, scheduler_cls(**self.spec["scheduler"])
 
 
