@@ -10,6 +10,10 @@ and the batches' ids to the metrics of :mod:`lit_flowgrpo.diversity`:
 - ``val-aux/drift``, every validation after the base model's: the mean distance of each validation
   sample from the base model's sample of the same prompt and seed (``batch.sample_ids``).
 
+Videos (``(B, F, 3, H, W)``, a :class:`~lit_flowgrpo.policies.wan.WanPolicy` run or the toy video
+world) go through the same features frame by frame, and each video's frame features are joined in
+frame order: two clips of the same frames in another order differ, so the distances see the motion.
+
 The base model's validation is the one that runs before any optimizer step (the sanity check of
 ``--trainer.num_sanity_val_steps=-1``). Its features are gathered from every rank and kept on the CPU
 (3·16·16 fp32 numbers a sample by default: 3 MB for the quickstart's 1000) and in the callback's
@@ -46,9 +50,9 @@ class OverOptimizationMonitor(Callback):
     """Log the within-group diversity of rollouts and validations and the validation's drift from the base.
 
     Args:
-        features: ``images (B, 3, H, W) in [0, 1] -> (B, F)`` features to compare (a CLIP or DINO
+        features: ``images (B, 3, H, W) in [0, 1] -> (B, D)`` features to compare (a CLIP or DINO
             image embedding, say); ``None``: :func:`~lit_flowgrpo.diversity.pooled_pixels` at
-            ``pool_size``, which needs no model.
+            ``pool_size``, which needs no model. A video's features are its frames', joined.
         pool_size: side of the pooled grid of the default features (``None``: every pixel).
         distance: ``"mse"`` (mean squared difference per feature) or ``"cosine"`` (1 − cos; the
             usual choice for embeddings).
@@ -81,6 +85,9 @@ class OverOptimizationMonitor(Callback):
         self._warned = False
 
     def _features(self, images: Tensor) -> Tensor:
+        """(B, D) features of (B, 3, H, W) images, or (B, F·D) of (B, F, 3, H, W) videos."""
+        if images.ndim == 5:
+            return self._features(images.flatten(0, 1)).reshape(images.shape[0], -1)
         if self.features is None:
             return pooled_pixels(images, self.pool_size)
         return self.features(images)
@@ -95,8 +102,10 @@ class OverOptimizationMonitor(Callback):
             size = image_size(pl_module)
             if size is None:
                 return
+            frames = int(getattr(getattr(pl_module, "sampler", None), "frames", 1) or 1)
+            probe = (1, frames, 3, *size) if frames > 1 else (1, 3, *size)
             with torch.no_grad():
-                features = self._features(torch.zeros(1, 3, *size, device=pl_module.device))
+                features = self._features(torch.zeros(probe, device=pl_module.device))
         num = int(features.shape[1])
         self._dtype = features.dtype  # what an empty rank sends in the base's gather
         self._train = GroupDiversity(num, self.distance, prefix="rollout/").to(pl_module.device)

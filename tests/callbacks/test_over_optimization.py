@@ -93,6 +93,21 @@ class Learner(L.LightningModule):
         return torch.optim.SGD([self.w], lr=0.1)
 
 
+class VideoLearner(Learner):
+    """The same, returning 3-frame clips (B, 3, 3, 8, 8): each frame its own pattern."""
+
+    FRAMES = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sampler = SimpleNamespace(height=8, width=8, frames=self.FRAMES)
+
+    def _images(self, ids: torch.Tensor, salt: int) -> torch.Tensor:
+        return torch.stack(
+            [super(VideoLearner, self)._images(ids, salt + 20 * f) for f in range(self.FRAMES)], 1
+        )
+
+
 def fit(
     root: Path,
     monitor: OverOptimizationMonitor,
@@ -101,8 +116,9 @@ def fit(
     sanity: int = -1,
     ckpt: str | None = None,
     devices: int = 1,
+    module_class: type[Learner] = Learner,
 ):
-    module = Learner()
+    module = module_class()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -223,6 +239,25 @@ def test_a_feature_hook_and_cosine(tmp_path: Path) -> None:
     images, groups = module.rollouts[0]
     assert got == pytest.approx(_diversity(features(images), groups, "cosine"), rel=1e-9)
     assert all(math.isfinite(v) for _, v in _logged(rows, "val-aux/drift"))
+
+
+def test_videos_compare_their_frames_in_order(tmp_path: Path) -> None:
+    """Videos: each clip's per-frame features joined in frame order, the same brute force over them."""
+    module, rows = fit(tmp_path, OverOptimizationMonitor(pool_size=4), max_steps=2, module_class=VideoLearner)
+
+    def joined(videos: torch.Tensor) -> torch.Tensor:
+        return torch.cat([pooled_pixels(videos[:, f], 4) for f in range(videos.shape[1])], dim=1)
+
+    (_, got), *_ = _logged(rows, "rollout/diversity")
+    videos, groups = module.rollouts[0]
+    assert videos.shape[1:] == (3, 3, 8, 8)
+    assert got == pytest.approx(_diversity(joined(videos), groups), rel=1e-12)
+    drift = _logged(rows, "val-aux/drift")
+    assert drift[0][1] == 0.0 and drift[-1][1] > 0
+    # Frame order counts: a clip played backwards is another clip.
+    monitor = OverOptimizationMonitor(pool_size=4)
+    forward, backward = monitor._features(videos), monitor._features(videos.flip(1))
+    assert forward.shape == (len(videos), 3 * 3 * 4 * 4) and not torch.equal(forward, backward)
 
 
 def test_settings_are_checked() -> None:

@@ -113,6 +113,11 @@ def test_video_quickstart_rollout_update_validation_resume_export(tmp_path: Path
     assert rewards and all(0.0 <= r <= 1.0 for r in rewards)
     losses = values("actor/loss")
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+    # The config's OverOptimizationMonitor on clips: a diversity per rollout, and the drift from the
+    # base's clips (0 at the base, logged at step 0) at each validation.
+    assert len(values("rollout/diversity")) == 2 and all(v > 0 for v in values("rollout/diversity"))
+    drift = values("val-aux/drift")
+    assert len(drift) == 2 and drift[0] == 0.0 and math.isfinite(drift[1])
     assert values("perf/total_num_videos") == [8.0, 8.0]
     assert values("perf/total_num_images") == [8.0 * FRAMES] * 2
     # Sample GIFs: the training samples of the first rollout and each validation's, FRAMES frames each.
