@@ -79,8 +79,6 @@ class WanPolicy(FlowPolicy):
     default_lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     default_lora_rank: int = 32
     default_lora_alpha: int = 64
-    image_size_multiple: int = 16
-    image_size_reason: str = "the VAE downsamples by 8 and the transformer cuts 2×2 patches"
     #: Where :meth:`~lit_flowgrpo.lora.TrainableWeights.export` writes the low-noise expert's adapter.
     lora_subfolders: tuple[str, ...] = ("transformer_2",)
 
@@ -197,6 +195,22 @@ class WanPolicy(FlowPolicy):
             except (OSError, ValueError):
                 continue
         return out or None
+
+    @property
+    def image_size_multiple(self) -> int:  # type: ignore[override]
+        """The VAE's spatial factor × the transformer's patch: 16 for Wan 2.1 and A14B, 32 for
+        TI2V-5B (read from a local folder's configs before loading; Wan 2.1's for a hub id)."""
+        return self._vae_factors()[0] * self._patch()
+
+    @property
+    def image_size_reason(self) -> str:  # type: ignore[override]
+        patch = self._patch()
+        return f"the VAE downsamples by {self._vae_factors()[0]} and the transformer cuts {patch}×{patch} patches"
+
+    def _patch(self) -> int:
+        """The transformer's spatial patch side (2 in every Wan checkpoint)."""
+        nets = self._network_configs()
+        return int(nets[0][1].get("patch_size", (1, 2, 2))[1]) if nets else 2
 
     def _vae_factors(self) -> tuple[int, int]:
         """(spatial, temporal) downsampling of the VAE, as ``WanPipeline`` reads them (8 and 4 unless

@@ -15,11 +15,12 @@ Variants (the second argument):
 - ``"a14b"``: Wan 2.2 T2V A14B: two experts, ``transformer`` for σ ≥ ``boundary_ratio`` (the high-noise
   steps) and ``transformer_2`` below it, switched by the pipeline's ``boundary_ratio`` (0.875, the
   value Wan 2.2 A14B's ``model_index.json`` holds).
-- ``"ti2v"``: the pipeline flag Wan 2.2 TI2V-5B adds, ``expand_timesteps`` (one timestep per latent
-  token), on the Wan 2.1 components above; the real 5B's VAE (48 channels, 16× in space) differs in
-  its config only and is not built here.
+- ``"ti2v"``: Wan 2.2 TI2V-5B's form: the pipeline flag ``expand_timesteps`` (one timestep per latent
+  token) and Wan 2.2's VAE (residual blocks, 2×2 pixel patches, 16× in space; 8 latent channels here,
+  48 in the 5B), with a transformer of as many channels.
 
-Sizes: 5 frames of 32×32 px → (4, 2, 4, 4) latents → 2·2·2 = 8 tokens.
+Sizes: 5 frames of 32×32 px → (4, 2, 4, 4) latents → 2·2·2 = 8 tokens; TI2V: 5 frames of 64×64 px →
+(8, 2, 4, 4) latents → 8 tokens (its sizes are multiples of 32: 16× VAE, 2×2 patches).
 """
 
 from __future__ import annotations
@@ -35,17 +36,19 @@ from transformers import UMT5Config, UMT5EncoderModel
 from lit_flowgrpo.tiny.tokenizers import t5_tokenizer
 
 Variant = Literal["2.1", "a14b", "ti2v"]
+#: Latent channels of the tiny TI2V's VAE (Wan 2.2 TI2V-5B's has 48).
+TI2V_LATENT_CHANNELS = 8
 #: Wan 2.2 A14B's ``boundary_ratio`` (its ``model_index.json``).
 A14B_BOUNDARY_RATIO = 0.875
 
 
-def _transformer() -> WanTransformer3DModel:
+def _transformer(channels: int = 4) -> WanTransformer3DModel:
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=12,
-        in_channels=4,
-        out_channels=4,
+        in_channels=channels,
+        out_channels=channels,
         text_dim=32,
         freq_dim=32,
         ffn_dim=32,
@@ -79,16 +82,36 @@ def build_tiny_wan(path: str | os.PathLike[str], variant: Variant = "2.1", seed:
                 relative_attention_num_buckets=8,
             )
         )
-        vae = AutoencoderKLWan(
-            base_dim=4,
-            z_dim=4,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-            latents_mean=[0.1, -0.2, 0.3, 0.0],
-            latents_std=[1.5, 0.8, 1.2, 2.0],
-        )
-        transformer = _transformer()
+        if variant == "ti2v":
+            # Wan 2.2's VAE in small: residual blocks, 2×2 pixel patches in and out (12 channels), a
+            # wider decoder, 16× in space, 4× in time; 8 latent channels where the 5B has 48.
+            vae = AutoencoderKLWan(
+                base_dim=4,
+                decoder_base_dim=8,
+                z_dim=TI2V_LATENT_CHANNELS,
+                dim_mult=[1, 1, 1, 1],
+                num_res_blocks=1,
+                temperal_downsample=[False, True, True],
+                is_residual=True,
+                in_channels=12,
+                out_channels=12,
+                patch_size=2,
+                scale_factor_spatial=16,
+                scale_factor_temporal=4,
+                latents_mean=[0.1, -0.2, 0.3, 0.0, 0.2, -0.1, 0.05, -0.3],
+                latents_std=[1.5, 0.8, 1.2, 2.0, 0.9, 1.1, 1.3, 0.7],
+            )
+        else:
+            vae = AutoencoderKLWan(
+                base_dim=4,
+                z_dim=4,
+                dim_mult=[1, 1, 1, 1],
+                num_res_blocks=1,
+                temperal_downsample=[False, True, True],
+                latents_mean=[0.1, -0.2, 0.3, 0.0],
+                latents_std=[1.5, 0.8, 1.2, 2.0],
+            )
+        transformer = _transformer(vae.config.z_dim)
         transformer_2 = _transformer() if variant == "a14b" else None
     # Wan-AI/Wan2.1-T2V-1.3B-Diffusers' scheduler config.
     scheduler = UniPCMultistepScheduler(

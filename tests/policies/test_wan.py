@@ -27,18 +27,21 @@ def _euler(pipe: WanPipeline) -> FlowMatchEulerDiscreteScheduler:
     return FlowMatchEulerDiscreteScheduler(shift=pipe.scheduler.config["flow_shift"])
 
 
-def _ours_and_pipelines(policy: WanPolicy, pipe: WanPipeline, cfg: float) -> dict[str, torch.Tensor]:
-    shape = policy.latent_shape(SIZE, SIZE, FRAMES)
-    assert shape == (4, 2, 4, 4)
+def _ours_and_pipelines(
+    policy: WanPolicy, pipe: WanPipeline, cfg: float, size: int = SIZE
+) -> dict[str, torch.Tensor]:
+    shape = policy.latent_shape(size, size, FRAMES)
+    # 8 tokens: Wan 2.1's VAE (8× in space, 4 channels) at 32 px, the TI2V's (16×, 8 channels) at 64 px
+    assert shape == (policy.pipe.vae.config.z_dim, 2, 4, 4)
     noise = torch.randn(len(PROMPTS), *shape, generator=torch.Generator().manual_seed(3))
-    sampler = Sampler(num_steps=STEPS, guidance_scale=cfg, height=SIZE, width=SIZE, frames=FRAMES)
+    sampler = Sampler(num_steps=STEPS, guidance_scale=cfg, height=size, width=size, frames=FRAMES)
     from lit_flowgrpo.rollout import sample_trajectory
 
     traj = sample_trajectory(
         policy,
         policy.encode_prompts(PROMPTS),
         noise,
-        policy.sigmas(STEPS, SIZE, SIZE),
+        policy.sigmas(STEPS, size, size),
         guidance_scale=cfg,
         noise_level=sampler.noise_level,
         sde_type="sde",
@@ -49,8 +52,8 @@ def _ours_and_pipelines(policy: WanPolicy, pipe: WanPipeline, cfg: float) -> dic
         prompt=PROMPTS,
         negative_prompt="",
         guidance_scale=cfg,
-        height=SIZE,
-        width=SIZE,
+        height=size,
+        width=size,
         num_frames=FRAMES,
         num_inference_steps=STEPS,
         max_sequence_length=MAX_LEN,
@@ -75,10 +78,11 @@ def test_noise_level_zero_sampling_reproduces_the_pipeline(
     # Both on diffusers' Euler scheduler: the checkpoint's UniPC is a multistep solver (tested below).
     policy.pipe.scheduler = _euler(pipe)
     pipe.scheduler = _euler(pipe)
-    out = _ours_and_pipelines(policy, pipe, cfg)
+    size = 64 if variant == "ti2v" else SIZE
+    out = _ours_and_pipelines(policy, pipe, cfg, size)
     torch.testing.assert_close(out["ours_latents"], out["ref_latents"], atol=1e-5, rtol=0)
     assert (
-        out["ours_videos"].shape == (2, FRAMES, 3, SIZE, SIZE) and out["ours_videos"].dtype == torch.float32
+        out["ours_videos"].shape == (2, FRAMES, 3, size, size) and out["ours_videos"].dtype == torch.float32
     )
     torch.testing.assert_close(out["ours_videos"], out["ref_videos"], atol=1e-5, rtol=0)
     assert (out["ours_videos"][0] - out["ours_videos"][1]).abs().max() > 1e-3
@@ -219,6 +223,11 @@ def test_bad_frames_and_sizes_name_the_flag(tiny_wan_paths: dict, tiny_sd3_path:
         latent_shape_of(policy, SIZE, SIZE, 6)
     with pytest.raises(ValueError, match=r"--model.init_args.sampler.width \(24\) must be a multiple of 16"):
         policy.latent_shape(SIZE, 24, FRAMES)
+    # Wan 2.2's 16× VAE (the TI2V form): multiples of 32, read from its config before any weight.
+    ti2v = WanPolicy(tiny_wan_paths["ti2v"])
+    (problem,) = Sampler(height=48, width=64, frames=5).image_size_problems(ti2v)
+    assert problem.startswith("--model.init_args.sampler.height (48) must be") and "32" in problem
+    assert Sampler(height=64, width=96, frames=5).image_size_problems(ti2v) == []
     # Settings of the policy itself, before any weight.
     problems = WanPolicy(tiny_wan_paths["2.1"], max_sequence_length=600, guidance_scale_2=0.0).problems()
     assert [p.split(" ")[0] for p in problems] == [
