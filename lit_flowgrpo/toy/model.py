@@ -78,22 +78,32 @@ class ToyModelConfig:
     max_length: int = 16
 
     def problems(self, flag: str = "--model.init_args.architecture") -> list[str]:
-        out = []
-        if len(self.block_out_channels) < 2:
-            out.append(
-                f"{flag}.block_out_channels needs at least 2 levels, got {list(self.block_out_channels)}"
-            )
-        bad = [c for c in self.block_out_channels if c % self.norm_num_groups]
-        if bad:
-            out.append(
-                f"{flag}.norm_num_groups ({self.norm_num_groups}) must divide every entry of "
-                f"block_out_channels; it does not divide {bad}"
-            )
-        if self.text_dim % self.text_heads:
-            out.append(f"{flag}.text_heads ({self.text_heads}) must divide text_dim ({self.text_dim})")
-        if self.max_length < 2:
-            out.append(f"{flag}.max_length ({self.max_length}) must be at least 2 (begin token + one word)")
-        return out
+        out = level_problems(flag, self.block_out_channels, self.norm_num_groups)
+        return out + text_encoder_problems(flag, self.text_dim, self.text_heads, self.max_length)
+
+
+def level_problems(flag: str, block_out_channels: Sequence[int], norm_num_groups: int) -> list[str]:
+    """Problems with a toy denoiser's resolution levels (the image and the video model's alike)."""
+    out = []
+    if len(block_out_channels) < 2:
+        out.append(f"{flag}.block_out_channels needs at least 2 levels, got {list(block_out_channels)}")
+    bad = [c for c in block_out_channels if c % norm_num_groups]
+    if bad:
+        out.append(
+            f"{flag}.norm_num_groups ({norm_num_groups}) must divide every entry of "
+            f"block_out_channels; it does not divide {bad}"
+        )
+    return out
+
+
+def text_encoder_problems(flag: str, text_dim: int, text_heads: int, max_length: int) -> list[str]:
+    """Problems with the sizes of a :class:`ToyTextEncoder` (the image and the video model's alike)."""
+    out = []
+    if text_dim % text_heads:
+        out.append(f"{flag}.text_heads ({text_heads}) must divide text_dim ({text_dim})")
+    if max_length < 2:
+        out.append(f"{flag}.max_length ({max_length}) must be at least 2 (begin token + one word)")
+    return out
 
 
 class ToyTextEncoder(nn.Module):

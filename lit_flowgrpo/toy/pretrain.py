@@ -65,14 +65,19 @@ class ToyShapesDataset(IterableDataset):
         self.probs = _record_probs(self.records, family_weights)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        info = get_worker_info()
-        worker = 0 if info is None else info.id
-        rng = np.random.default_rng([self.seed, self.rank, worker])
+        rng = stream_rng(self.seed, self.rank)
         while True:
             record = self.records[rng.choice(len(self.records), p=self.probs)]
             image = world.render(world.sample_scene(record, rng))  # (H, W, 3) uint8
             pixels = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).float() / 127.5 - 1.0
             yield {"pixels": pixels, "prompt": record["prompt"]}
+
+
+def stream_rng(seed: int, rank: int) -> np.random.Generator:
+    """The random generator of one rendered stream: its own for every seed, rank and data-loader worker."""
+    info = get_worker_info()
+    worker = 0 if info is None else info.id
+    return np.random.default_rng([seed, rank, worker])
 
 
 def _record_probs(
@@ -97,7 +102,36 @@ def _record_probs(
     return probs / probs.sum()
 
 
-class ToyShapesDataModule(pl.LightningDataModule):
+class RenderedDataModule(pl.LightningDataModule):
+    """What the toy data modules share: a stream of freshly rendered samples, batched.
+
+    Args:
+        batch_size: samples per step and rank.
+        num_workers: data-loader worker processes rendering samples (0 renders in the main process).
+        seed: seed of the stream.
+    """
+
+    def __init__(self, batch_size: int, num_workers: int, seed: int) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"--data.init_args.batch_size ({batch_size}) must be at least 1")
+        if num_workers < 0:
+            raise ValueError(f"--data.init_args.num_workers ({num_workers}) must be 0 or more")
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.seed = seed
+
+    def _loader(self, dataset: IterableDataset) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+
+class ToyShapesDataModule(RenderedDataModule):
     """Rendered (image, prompt) pairs of the toy world's TRAIN prompts, made on the fly.
 
     Only the train list is used, so the held-out list's unseen compositions stay unseen.
@@ -117,28 +151,14 @@ class ToyShapesDataModule(pl.LightningDataModule):
         seed: int = 0,
         family_weights: dict[str, float] | None = None,
     ) -> None:
-        super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"--data.init_args.batch_size ({batch_size}) must be at least 1")
-        if num_workers < 0:
-            raise ValueError(f"--data.init_args.num_workers ({num_workers}) must be 0 or more")
-        self.batch_size = batch_size
-        self.num_workers = num_workers
-        self.seed = seed
+        super().__init__(batch_size, num_workers, seed)
         self.family_weights = family_weights
         self.records = world.load_prompts("train")
         _record_probs(self.records, family_weights)  # fail at construction, before any model is built
 
     def train_dataloader(self) -> DataLoader:
         rank = self.trainer.global_rank if self.trainer is not None else 0
-        dataset = ToyShapesDataset(self.records, self.seed, self.family_weights, rank=rank)
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            pin_memory=torch.cuda.is_available(),
-        )
+        return self._loader(ToyShapesDataset(self.records, self.seed, self.family_weights, rank=rank))
 
 
 class ToyPretrainModule(pl.LightningModule):

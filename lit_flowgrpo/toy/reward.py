@@ -23,7 +23,7 @@ circle moving left to right"): the named object in every frame, moving the named
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -103,20 +103,32 @@ def record_problems(records: Sequence[Mapping]) -> list[str]:
     other word) and GenEval-style metadata the verifier can read. Checked at setup, so a bad
     line fails before the first rollout instead of when a rollout first draws it.
     """
+    return _records_problems(records, unknown_words, check_record, "the toy world's vocabulary", VOCAB)
+
+
+def _records_problems(
+    records: Sequence[Mapping],
+    find_unknown: Callable[[str], list[str]],
+    check: Callable[[dict], None],
+    vocabulary: str,
+    vocab: Sequence[str],
+) -> list[str]:
+    """Every record with words ``find_unknown`` lists or metadata ``check`` refuses, named by its index;
+    ``vocabulary`` names ``vocab`` in the messages."""
     out = []
     for i, record in enumerate(records):
         found = []
-        unknown = unknown_words(str(record.get("prompt", "")))
+        unknown = find_unknown(str(record.get("prompt", "")))
         if unknown:
-            found.append(f"words outside the toy world's vocabulary {unknown}")
+            found.append(f"words outside {vocabulary} {unknown}")
         try:
-            check_record(dict(record))
+            check(dict(record))
         except ValueError as err:
             found.append(str(err))
         if found:
             out.append(f"prompt record {i} ({record.get('prompt')!r}): " + "; ".join(found))
     if any("vocabulary" in p for p in out):
-        out.append(f"the toy world's vocabulary is {list(VOCAB)}")
+        out.append(f"{vocabulary} is {list(vocab)}")
     return out
 
 
@@ -276,18 +288,6 @@ class ShapesVideoReward:
 
 def video_record_problems(records: Sequence[Mapping]) -> list[str]:
     """Every video prompt record the ``shapes_video`` reward cannot score, each named by its index."""
-    out = []
-    for i, record in enumerate(records):
-        found = []
-        unknown = unknown_video_words(str(record.get("prompt", "")))
-        if unknown:
-            found.append(f"words outside the toy world's video vocabulary {unknown}")
-        try:
-            check_video_record(dict(record))
-        except ValueError as err:
-            found.append(str(err))
-        if found:
-            out.append(f"prompt record {i} ({record.get('prompt')!r}): " + "; ".join(found))
-    if any("vocabulary" in p for p in out):
-        out.append(f"the toy world's video vocabulary is {list(VIDEO_VOCAB)}")
-    return out
+    return _records_problems(
+        records, unknown_video_words, check_video_record, "the toy world's video vocabulary", VIDEO_VOCAB
+    )

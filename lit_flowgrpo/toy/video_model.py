@@ -87,17 +87,7 @@ class ToyVideoModelConfig:
     size: int = 16
 
     def problems(self, flag: str = "--model.init_args.architecture") -> list[str]:
-        out = []
-        if len(self.block_out_channels) < 2:
-            out.append(
-                f"{flag}.block_out_channels needs at least 2 levels, got {list(self.block_out_channels)}"
-            )
-        bad = [c for c in self.block_out_channels if c % self.norm_num_groups]
-        if bad:
-            out.append(
-                f"{flag}.norm_num_groups ({self.norm_num_groups}) must divide every entry of "
-                f"block_out_channels; it does not divide {bad}"
-            )
+        out = image_model.level_problems(flag, self.block_out_channels, self.norm_num_groups)
         if self.temporal_kernel < 1 or self.temporal_kernel % 2 == 0:
             out.append(f"{flag}.temporal_kernel ({self.temporal_kernel}) must be odd and positive")
         if self.block_out_channels and self.block_out_channels[-1] % self.attention_heads:
@@ -105,10 +95,7 @@ class ToyVideoModelConfig:
                 f"{flag}.attention_heads ({self.attention_heads}) must divide the last block_out_channels "
                 f"({self.block_out_channels[-1]})"
             )
-        if self.text_dim % self.text_heads:
-            out.append(f"{flag}.text_heads ({self.text_heads}) must divide text_dim ({self.text_dim})")
-        if self.max_length < 2:
-            out.append(f"{flag}.max_length ({self.max_length}) must be at least 2 (begin token + one word)")
+        out += image_model.text_encoder_problems(flag, self.text_dim, self.text_heads, self.max_length)
         if self.frames < 2:
             out.append(
                 f"{flag}.frames ({self.frames}) must be at least 2: motion needs a first and a last frame"

@@ -12,15 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset
 
 from lit_flowgrpo.toy import video_world
-from lit_flowgrpo.toy.pretrain import ToyPretrainModule
+from lit_flowgrpo.toy.pretrain import RenderedDataModule, ToyPretrainModule, stream_rng
 from lit_flowgrpo.toy.video_model import (
     VIDEO_PRETRAIN_COMMAND,
     ToyVideoModelConfig,
@@ -47,9 +46,7 @@ class ToyVideoDataset(IterableDataset):
         self.records, self.frames, self.size, self.seed, self.rank = list(records), frames, size, seed, rank
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        info = get_worker_info()
-        worker = 0 if info is None else info.id
-        rng = np.random.default_rng([self.seed, self.rank, worker])
+        rng = stream_rng(self.seed, self.rank)
         while True:
             record = self.records[int(rng.integers(len(self.records)))]
             clip = video_world.render_video(
@@ -59,7 +56,7 @@ class ToyVideoDataset(IterableDataset):
             yield {"pixels": pixels, "prompt": record["prompt"]}  # pixels (F, 3, H, W)
 
 
-class ToyVideoDataModule(pl.LightningDataModule):
+class ToyVideoDataModule(RenderedDataModule):
     """Rendered (clip, prompt) pairs of the video world's TRAIN prompts, made on the fly.
 
     Only the train list (:func:`video_world.video_split`) is used, so the held-out compositions stay
@@ -73,12 +70,7 @@ class ToyVideoDataModule(pl.LightningDataModule):
     """
 
     def __init__(self, batch_size: int = 32, num_workers: int = 0, seed: int = 0) -> None:
-        super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"--data.init_args.batch_size ({batch_size}) must be at least 1")
-        if num_workers < 0:
-            raise ValueError(f"--data.init_args.num_workers ({num_workers}) must be 0 or more")
-        self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
+        super().__init__(batch_size, num_workers, seed)
         self.records = video_world.video_split()[0]
 
     def train_dataloader(self) -> DataLoader:
@@ -96,13 +88,7 @@ class ToyVideoDataModule(pl.LightningDataModule):
             self.seed,
             rank=self.trainer.global_rank,
         )
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            pin_memory=torch.cuda.is_available(),
-        )
+        return self._loader(dataset)
 
 
 class ToyVideoPretrainModule(ToyPretrainModule):
