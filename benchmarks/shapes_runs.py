@@ -195,6 +195,36 @@ PLANS["video_sweep3"] = {
     "n1_same_lr1e-4": (_V, [SAMPLER + "noise_level=1.0", LR + "1e-4", *_SAME]),
 }
 
+# From the second base (uniform σ in pretraining, 2000 steps: it follows the named direction in about
+# half of its clips): the config, step size, more SDE noise, a strict-only reward, more prompts.
+PLANS["video_base2"] = {
+    "b2_config": (_V, []),
+    "b2_lr3e-5": (_V, [LR + "3e-5"]),
+    "b2_lr1e-4": (_V, [LR + "1e-4"]),
+    "b2_lr2e-4": (_V, [LR + "2e-4"]),
+    "b2_lr1e-4_n1": (_V, [LR + "1e-4", SAMPLER + "noise_level=1.0"]),
+    "b2_lr5e-5_strict": (_V, ["--model.init_args.reward.init_args.weights={shapes_video/strict: 1.0}"]),
+    "b2_lr1e-4_all32": (_V, [LR + "1e-4", *_ALL32]),
+    "b2_lr5e-5_steps2": (_V, ["--model.init_args.update.optimizer_steps_per_rollout=2"]),
+    "b2_lr1e-4_early": (_V, [LR + "1e-4", *_EARLY]),
+}
+
+# DiffusionNFT on video, from the second base: it trains on the finished clips, so its credit does not
+# hinge on the few stochastic steps where the direction is drawn. Beside it, Flow-GRPO with the
+# exploration put where the direction is decided (early steps, more noise, shared starts).
+_VN = "configs/quickstart_video_nft.yaml"
+PLANS["video_nft"] = {
+    "nft_config": (_VN, []),
+    "nft_lr1.5e-5": (_VN, [LR + "1.5e-5"]),
+    "nft_lr1e-4": (_VN, [LR + "1e-4"]),
+    "nft_lr2e-4": (_VN, [LR + "2e-4"]),
+    "nft_lr5e-5_strict": (_VN, ["--model.init_args.reward.init_args.weights={shapes_video/strict: 1.0}"]),
+    "nft_lr1e-4_all32": (_VN, [LR + "1e-4", *_ALL32]),
+    "nft_lr5e-5_beta0.1": (_VN, [NFT + "beta=0.1"]),
+    "grpo_n1.5_same_early_lr1e-4": (_V, [SAMPLER + "noise_level=1.5", LR + "1e-4", *_SAME, *_EARLY]),
+    "grpo_n1.5_early_lr1e-4": (_V, [SAMPLER + "noise_level=1.5", LR + "1e-4", *_EARLY]),
+}
+
 PLANS["gardo"] = {
     label: PLANS["gardo_sweep"][label] for label in ("kl0.4_proxy", "gardo_b4", "gardo_b4_initial_ref")
 }

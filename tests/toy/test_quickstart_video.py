@@ -179,3 +179,35 @@ def test_bad_frames_and_sizes_name_the_flag(tmp_path: Path) -> None:
         .problems()[0]
         .startswith("--model.init_args.policy.init_args.pretrained")
     )
+
+
+@pytest.mark.slow
+def test_video_nft_quickstart_trains_cfg_free_and_evaluates_with_guidance(tmp_path: Path, capsys) -> None:
+    """``configs/quickstart_video_nft.yaml``, shortened as above: DiffusionNFT's CFG-free rollout of
+    clips, its update of the video network (the NFT statistics logged, the weights moved), and the
+    held-out evaluation before and after."""
+    checkpoint = _pretrain(tmp_path / "pretrain")
+    root = tmp_path / "run"
+    args = _quickstart_args(checkpoint, root, max_steps=2)
+    args[1] = str(REPO / "configs" / "quickstart_video_nft.yaml")
+    args = [a for a in args if "sde_window" not in a]  # DiffusionNFT records only the final clip
+    main(["fit", *args])
+    out = capsys.readouterr().out
+    assert re.search(r"held-out strict accuracy: \d\.\d{3} -> \d\.\d{3}", out), out[-2000:]
+    (metrics,) = root.glob("quickstart_video_nft/version_0/metrics.csv")
+    with open(metrics) as f:
+        rows = list(csv.DictReader(f))
+
+    def values(key: str) -> list[float]:
+        return [float(r[key]) for r in rows if r.get(key)]
+
+    assert len(values("val-core/shapes_video/strict/mean@1")) == 2
+    r_mean = values("actor/nft_r_mean")
+    assert len(r_mean) == 2 and all(0.0 < r < 1.0 for r in r_mean)
+    assert all(math.isfinite(v) for v in values("actor/loss")) and len(values("actor/loss")) == 2
+    last = root / "checkpoints" / "last.ckpt"
+    state = torch.load(last, map_location="cpu", weights_only=False)["state_dict"]
+    base = ToyVideoPolicy(str(checkpoint))
+    base.load()
+    tuned = {k.split("policy.net.", 1)[1]: v for k, v in state.items() if "policy.net." in k}
+    assert tuned and any(not torch.equal(base.net.state_dict()[k], v) for k, v in tuned.items())
