@@ -18,8 +18,10 @@ One run per launch; ``report`` turns the runs' folders into the results JSON::
 
 ``--size`` chooses the model: ``sd35m`` (the default), ``flux12b`` (FLUX.1-dev, 11.9B) or ``qwenimage20b``
 (Qwen-Image, 20.4B: with its recipe's CFG, GRPO-Guard, 2 trained steps and LoRA r64 unless told
-otherwise); ``tiny``, ``flux_tiny`` and ``qwen_tiny`` build tiny models of the same classes, for a CPU
-check of the script (gloo). ``--profile DIR`` profiles the run's last rollouts (``profiling.py``).
+otherwise), ``wan14b`` (Wan 2.1 T2V 14B) or ``wan22a14b`` (Wan 2.2 T2V A14B: two 14B experts, each
+with its own LoRA, CFG 4.0 / 3.0); ``tiny``, ``flux_tiny``, ``qwen_tiny``, ``wan_tiny`` and
+``wan_tiny_a14b`` build tiny models of the same classes, for a CPU check of the script (gloo).
+``--profile DIR`` profiles the run's last rollouts (``profiling.py``).
 ``benchmarks/big_runs.sh`` is the plan of the big-model runs on 4 GPUs.
 """
 
@@ -49,7 +51,7 @@ from torch import Tensor, nn
 
 from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
 from lit_flowgrpo.callbacks import RLThroughputMonitor
-from lit_flowgrpo.lora import ReferenceSettings
+from lit_flowgrpo.lora import LORA_WEIGHTS_FILE, ReferenceSettings
 from lit_flowgrpo.objective import GRPOGuard
 from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies.base import Embeds
@@ -134,6 +136,11 @@ SIZES: dict[str, dict[str, Any]] = {
     "wan14b": dict(SPECS["wan14b"], resolution=480, width=832, frames=33),
     # the tiny Wan pipeline the tests build (2 heads, 8 tokens at 32 px and 5 frames): sp 2 splits it
     "wan_tiny": dict(tiny_spec("wan1p3b"), resolution=32, frames=5),
+    # Wan 2.2 T2V A14B, two 14B experts (high-noise above the boundary σ, low-noise below), as wan14b
+    "wan22a14b": dict(SPECS["wan22a14b"], resolution=480, width=832, frames=33, recipe="wan22a14b"),
+    # the tiny pipeline's two-expert variant; its boundary (σ 0.875, flow shift 3) splits a rollout's
+    # trained steps between the experts: of 10 steps, 4 high-noise and 5 low-noise; of 3, one each
+    "wan_tiny_a14b": dict(tiny_spec("wan22a14b"), resolution=32, frames=5, recipe="wan22a14b"),
 }
 
 # What the family's recipe samples and trains with where it differs from the script's defaults
@@ -150,9 +157,18 @@ RECIPES: dict[str, dict[str, Any]] = {
         lora_rank=64,
         lora_alpha=128,
     ),
+    # Wan 2.2 A14B (configs/wan22_a14b_flowgrpo.yaml): CFG 4.0 for the high-noise expert, 3.0 for the
+    # low-noise one (Wan 2.2's diffusers example; Wan-Video/Wan2.2's sample_guide_scale (3.0, 4.0)).
+    "wan22a14b": dict(guidance=4.0, guidance_2=3.0),
 }
 # FLUX.1-dev: guidance is an input embedding; Wan: the Wan recipes' 4.5
 DEFAULT_GUIDANCE = {"sd3": 4.5, "flux": 1.0, "qwenimage": 4.0, "wan": 4.5}
+
+
+def recipe_of(size: str) -> dict[str, Any]:
+    """The recipe a size names (``recipe``), else its family's; empty where the defaults apply."""
+    spec = SIZES[size]
+    return RECIPES.get(spec.get("recipe", spec["family"]), {})
 
 
 def _seeded_random_modules(
@@ -303,10 +319,12 @@ class RandomQwenImagePolicy(QwenImagePolicy):
 
 
 def random_wan_policy(size: str) -> BenchWanPolicy:
-    """benchmarks/throughput.py's Wan on random weights, at this size's spec; built on the rank's GPU."""
+    """benchmarks/throughput.py's Wan on random weights, at this size's spec; built on the rank's GPU.
+    Two experts (Wan 2.2 A14B): the low-noise one's CFG scale is the recipe's (unused without CFG)."""
     cuda = torch.cuda.is_available()
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
-    return BenchWanPolicy(SIZES[size], device, "bfloat16" if cuda else "float32")
+    guidance_2 = recipe_of(size).get("guidance_2")
+    return BenchWanPolicy(SIZES[size], device, "bfloat16" if cuda else "float32", guidance_2)
 
 
 POLICIES = {
@@ -325,11 +343,13 @@ brightness.modalities = frozenset({"image", "video"})  # type: ignore[attr-defin
 
 
 class Recorder(FlowGRPOModule):
-    """Writes each rank's (sample id, reward, advantage) rows of every rollout to ``out``."""
+    """Writes each rank's (sample id, reward, advantage) rows of every rollout to ``out``, and counts the
+    trained steps each network served (Wan 2.2 A14B: which expert the update trained)."""
 
     def __init__(self, out: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.out = out
+        self.trained_steps_by_expert = {"transformer": 0, "transformer_2": 0}
 
     def _update(self, *args: Any, **kwargs: Any) -> Any:
         # Marks the update on the profiler's CPU and GPU timelines (the summary's "update" part).
@@ -347,6 +367,20 @@ class Recorder(FlowGRPOModule):
             )
         ]
         (Path(self.out) / f"rows_rank{self.global_rank}_step{batch.step}.json").write_text(json.dumps(rows))
+        self._count_experts(batch.step)
+
+    def _count_experts(self, step: int) -> None:
+        # The rollout's trained steps (the sampler's own plan) and the expert of each, compared as
+        # WanPolicy.velocity compares: σ·num_train_timesteps in fp32 against the boundary timestep.
+        _, trained = self.sampler.plan(step, self.seed)
+        boundary = getattr(self.policy, "boundary_timestep", None)
+        high = len(trained)
+        if boundary is not None:
+            sigmas = self.policy.sigmas(self.sampler.num_steps, self.sampler.height, self.sampler.width)
+            timesteps = sigmas[trained] * self.policy.pipe.scheduler.config.num_train_timesteps  # (S,) fp32
+            high = int((timesteps >= boundary).sum())
+        self.trained_steps_by_expert["transformer"] += high
+        self.trained_steps_by_expert["transformer_2"] += len(trained) - high
 
 
 class MemoryLogger(Logger):
@@ -400,7 +434,7 @@ def run(args: argparse.Namespace) -> None:
         )
     spec = SIZES[args.size]
     family = spec["family"]
-    recipe = RECIPES.get(family, {})
+    recipe = recipe_of(args.size)
     cuda = torch.cuda.is_available()
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     lora = not args.full
@@ -526,6 +560,11 @@ def run(args: argparse.Namespace) -> None:
         offload_reference=args.offload_reference,
         objective=objective_name,
         guidance_scale=guidance,
+        # Wan 2.2 A14B: the experts, where they switch, the low-noise one's CFG and the steps each trained
+        experts=spec.get("experts", 1),
+        boundary_ratio=spec.get("boundary_ratio"),
+        guidance_scale_2=recipe.get("guidance_2") if guidance > 1 and spec.get("experts", 1) == 2 else None,
+        trained_steps_by_expert=module.trained_steps_by_expert if spec.get("experts", 1) == 2 else None,
         train_cfg=guidance > 1,
         sde_window_size=window or None,
         num_steps=args.num_steps,
@@ -647,6 +686,10 @@ def summarise(root: Path, name: str, reference: str | None) -> dict[str, Any] | 
         "offload_reference": info.get("offload_reference", False),
         "objective": info.get("objective", "flow_grpo"),
         "guidance_scale": info.get("guidance_scale"),
+        "experts": info.get("experts", 1),  # 2: Wan 2.2 A14B, each expert a LoRA of its own
+        "boundary_ratio": info.get("boundary_ratio"),
+        "guidance_scale_2": info.get("guidance_scale_2"),
+        "trained_steps_by_expert": info.get("trained_steps_by_expert"),
         "train_cfg": info.get("train_cfg"),
         "sde_window_size": info.get("sde_window_size"),
         "num_steps": info.get("num_steps", 10),  # runs recorded before the flag sampled 10 steps
@@ -779,9 +822,11 @@ def line(r: dict[str, Any]) -> str:
         if prof.get("comm_overlapped_fraction") is not None
         else ""
     )
+    experts = r.get("trained_steps_by_expert")
+    experts = f" steps by expert {experts['transformer']}/{experts['transformer_2']}" if experts else ""
     return (
         f"{r['name']}: {r['size']} {r['strategy']} W{r['world_size']} "
-        f"{'lora' if r['lora'] else 'full ' + str(r.get('master_dtype'))}"
+        f"{'lora' if r['lora'] else 'full ' + str(r.get('master_dtype'))}{experts}"
         f"{' ref-offloaded' if r.get('offload_reference') else ''}"
         f" {r['images_per_gpu_s'] or float('nan'):.3f} img/GPU/s peak {r['peak_memory_gb'] or float('nan'):.1f} GiB"
         f" steps {[round(x, 1) for x in r['step_seconds_rank0']]}s resumed {r['resumed_ok']} exported"
@@ -798,20 +843,32 @@ EXPORT_CLASSES = {
 }
 
 
+# Where a LoRA export holds each trained network's adapter: the (first) transformer's in the folder,
+# Wan 2.2 A14B's low-noise expert's in transformer_2/ (WanPolicy.lora_subfolders), which diffusers
+# loads with `load_lora_weights(folder / "transformer_2", load_into_transformer_2=True)`.
+ADAPTER_FOLDERS = {"policy._transformer.": "", "policy._transformer_2.": "transformer_2"}
+
+
 def _exported_ok(path: Path, trained: dict[str, Tensor], lora: bool, family: str = "sd3") -> bool:
-    """The export loads with diffusers' own loaders and holds the trained weights, exactly."""
+    """The export loads with diffusers' own loaders and holds the trained weights, exactly: every trained
+    network's adapter (both experts' of Wan 2.2 A14B), none missing, none extra."""
     import diffusers
 
     pipeline_name, transformer_name = EXPORT_CLASSES[family]
     prefix = "policy._transformer."
     if lora:
-        state = getattr(diffusers, pipeline_name).lora_state_dict(str(path))
-        state = state[0] if isinstance(state, tuple) else state
-        # diffusers: transformer.<module>.lora_A.weight; ours: policy._transformer.<module>.lora_A.default.weight
-        ours = {
-            prefix + k.removeprefix("transformer.")[: -len("weight")] + "default.weight": v
-            for k, v in state.items()
-        }
+        ours: dict[str, Tensor] = {}
+        for network, folder in ADAPTER_FOLDERS.items():
+            if not (path / folder / LORA_WEIGHTS_FILE).is_file():
+                continue  # a missing expert's adapter leaves its trained weights unmatched below
+            state = getattr(diffusers, pipeline_name).lora_state_dict(str(path / folder))
+            state = state[0] if isinstance(state, tuple) else state
+            # diffusers: transformer.<module>.lora_A.weight (either expert's file);
+            # ours: policy._transformer[_2].<module>.lora_A.default.weight
+            ours |= {
+                network + k.removeprefix("transformer.")[: -len("weight")] + "default.weight": v
+                for k, v in state.items()
+            }
         return sorted(ours) == sorted(trained) and _max_diff(ours, trained) == 0.0
     loaded = getattr(diffusers, transformer_name).from_pretrained(str(path)).state_dict()
     # Written in the model's dtype (bf16 on GPUs, as the random policies build it): the float32 masters

@@ -267,6 +267,17 @@ SPECS["wan14b"] = dict(
     SPECS["wan1p3b"],
     transformer=dict(SPECS["wan1p3b"]["transformer"], num_attention_heads=40, ffn_dim=13824, num_layers=40),
 )
+# Wan-AI/Wan2.2-T2V-A14B-Diffusers: two experts of the Wan 2.1 14B config (transformer/ and
+# transformer_2/ config.json: 40 blocks of 40 x 128, FFN 13824, 16 channels in and out, text_dim 4096),
+# the Wan 2.1 VAE (z_dim 16), boundary_ratio 0.875 (its model_index.json). The flow shift is the
+# official sampler's (Wan-Video/Wan2.2 wan/configs/wan_t2v_A14B.py: sample_shift 12.0, boundary 0.875):
+# it sets how many steps fall to each expert (σ ≥ 0.368 before the shift is high-noise), not their cost.
+SPECS["wan22a14b"] = dict(
+    SPECS["wan14b"],
+    scheduler=dict(SPECS["wan14b"]["scheduler"], flow_shift=12.0),
+    experts=2,
+    boundary_ratio=0.875,
+)
 
 # Tiny configs of the same classes, for the CPU smoke run.
 _TINY_VAE = dict(
@@ -337,13 +348,16 @@ TINY: dict[str, dict[str, Any]] = {
 
 def tiny_spec(model: str) -> dict[str, Any]:
     """The tiny config of ``model`` for the CPU smoke run: :data:`TINY`'s, and for Wan the configs of
-    the tiny pipeline the tests build (:mod:`lit_flowgrpo.tiny.wan`), so that they live once."""
-    return _tiny_wan_spec() if SPECS[model]["family"] == "wan" else TINY[model]
+    the tiny pipeline the tests build (:mod:`lit_flowgrpo.tiny.wan`; its two-expert ``"a14b"`` variant
+    for a two-expert model), so that they live once."""
+    if SPECS[model]["family"] != "wan":
+        return TINY[model]
+    return _tiny_wan_spec("a14b" if SPECS[model].get("experts", 1) == 2 else "2.1")
 
 
 @functools.cache
-def _tiny_wan_spec() -> dict[str, Any]:
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+def _tiny_wan_spec(variant: str = "2.1") -> dict[str, Any]:
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 
     from lit_flowgrpo.tiny.wan import build_tiny_wan
 
@@ -351,10 +365,18 @@ def _tiny_wan_spec() -> dict[str, Any]:
         return {k: v for k, v in config.items() if not k.startswith("_")}
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_tiny_wan(tmp)
+        path = build_tiny_wan(tmp, variant)
         transformer = init_args(WanTransformer3DModel.load_config(path, subfolder="transformer"))
         vae = init_args(AutoencoderKLWan.load_config(path, subfolder="vae"))
         scheduler = UniPCMultistepScheduler.load_config(path, subfolder="scheduler")
+        experts = {}
+        if variant == "a14b":
+            second = init_args(WanTransformer3DModel.load_config(path, subfolder="transformer_2"))
+            if second != transformer:  # BenchWanPolicy builds both experts from the one config
+                raise ValueError(
+                    f"the tiny {variant} Wan's experts differ in config: {second} vs {transformer}"
+                )
+            experts = dict(experts=2, boundary_ratio=WanPipeline.load_config(path)["boundary_ratio"])
     return dict(
         SPECS["wan1p3b"],
         transformer=transformer,
@@ -362,6 +384,7 @@ def _tiny_wan_spec() -> dict[str, Any]:
         scheduler_class=scheduler["_class_name"],
         scheduler=init_args(scheduler),
         text=dict(tokens=8, dim=transformer["text_dim"]),
+        **experts,
     )
 
 
@@ -412,16 +435,22 @@ class _RandomWeights:
         scheduler_cls = getattr(
             diffusers, self.spec.get("scheduler_class", "FlowMatchEulerDiscreteScheduler")
         )
-        # Seeded alike in every process: the ranks of a sharded run hold one model, and a resumed run
-        # the model its checkpoint's adapter was trained on.
-        cuda = [self.build_device] if self.build_device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda):
-            torch.manual_seed(0)
+        with self._seeded(0):
             with _building_on(self.build_device, self.build_dtype):
                 transformer = _frozen(transformer_cls(**self.spec["transformer"]))
             with _building_on(self.build_device, vae_dtype or self.build_dtype):
                 vae = _frozen(vae_cls(**self.spec["vae"]))
         return transformer, vae, scheduler_cls(**self.spec["scheduler"])
+
+    @contextmanager
+    def _seeded(self, seed: int) -> Iterator[None]:
+        """The global RNGs seeded with ``seed`` inside, restored after. Seeded alike in every process:
+        the ranks of a sharded run hold one model, and a resumed run the model its checkpoint's adapter
+        was trained on."""
+        cuda = [self.build_device] if self.build_device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(seed)
+            yield
 
 
 class BenchSD3Policy(_RandomWeights, SD3Policy):
@@ -511,11 +540,41 @@ class BenchQwenImagePolicy(_RandomWeights, QwenImagePolicy):
 class BenchWanPolicy(_RandomWeights, WanPolicy):
     """:class:`WanPolicy` on random weights from the config; UMT5 states are random rows of the padded
     length (the pipeline pads every prompt to ``max_sequence_length``, so the cross-attention costs
-    the same whatever the prompt). The VAE in the policy's ``vae_dtype`` (float32, as the recipe)."""
+    the same whatever the prompt). The VAE in the policy's ``vae_dtype`` (float32, as the recipe).
 
-    def __init__(self, spec: dict[str, Any], device: str, dtype: str = "bfloat16") -> None:
-        WanPolicy.__init__(self, "random/wan", dtype=dtype, max_sequence_length=spec["text"]["tokens"])
+    A spec with ``experts=2`` (Wan 2.2 A14B) gets a second transformer of the same config, the
+    low-noise expert, switched at the spec's ``boundary_ratio``; ``guidance_scale_2`` is its CFG scale.
+    """
+
+    def __init__(
+        self,
+        spec: dict[str, Any],
+        device: str,
+        dtype: str = "bfloat16",
+        guidance_scale_2: float | None = None,
+    ) -> None:
+        WanPolicy.__init__(
+            self,
+            "random/wan",
+            dtype=dtype,
+            max_sequence_length=spec["text"]["tokens"],
+            guidance_scale_2=guidance_scale_2,
+        )
         self._setup(spec, device, dtype)
+
+    def problems(self) -> list[str]:
+        experts = self.spec.get("experts", 1)
+        if experts not in (1, 2):
+            return [f"the spec's experts ({experts}) must be 1 (Wan 2.1) or 2 (Wan 2.2 A14B)"]
+        ratio = self.spec.get("boundary_ratio")
+        if experts == 2 and not (isinstance(ratio, float) and 0 < ratio < 1):
+            return [f"a two-expert spec needs a boundary_ratio in (0, 1), not {ratio}"]
+        return []
+
+    @property
+    def declared_networks(self) -> int:
+        """The spec's experts: the module refuses a full fine-tune of two before anything is built."""
+        return self.spec.get("experts", 1)
 
     def load(self) -> None:
         if self.pipe is not None:
@@ -525,10 +584,24 @@ class BenchWanPolicy(_RandomWeights, WanPolicy):
         transformer, vae, scheduler = self._build(
             WanTransformer3DModel, AutoencoderKLWan, resolve_dtype(self.vae_dtype_name)
         )
+        transformer_2, boundary = None, None
+        if self.spec.get("experts", 1) == 2:
+            # Another expert than the first (seed 1), the same one in every process and every run.
+            with self._seeded(1), _building_on(self.build_device, self.build_dtype):
+                transformer_2 = _frozen(WanTransformer3DModel(**self.spec["transformer"]))
+            boundary = self.spec["boundary_ratio"]
         none = dict.fromkeys(("text_encoder", "tokenizer"))
-        self.pipe = WanPipeline(transformer=transformer, vae=vae, scheduler=scheduler, **none)
+        self.pipe = WanPipeline(
+            transformer=transformer,
+            transformer_2=transformer_2,
+            boundary_ratio=boundary,
+            vae=vae,
+            scheduler=scheduler,
+            **none,
+        )
         self.pipe.set_progress_bar_config(disable=True)
-        self._transformer, self.vae, self.text_encoder = transformer, vae, None
+        self._transformer, self._transformer_2 = transformer, transformer_2
+        self.vae, self.text_encoder = vae, None
 
     def _encode_one(self, prompt: str) -> Embeds:
         text, device, dtype = self.spec["text"], self.build_device, self.build_dtype

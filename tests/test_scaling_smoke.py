@@ -106,6 +106,20 @@ def test_scaling_script_splits_each_video_over_two_ranks(tmp_path: Path) -> None
     assert logged["perf/throughput"] == 8 * 5 / (logged["perf/time_per_step"] * 2)
 
 
+def _run_script(*args: str, env: dict[str, str] | None = None) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _report(root: Path, name: str) -> dict:
+    """``scaling.py report`` over the runs in ``root``: the row of run ``name``."""
+    out = root / "report.json"
+    _run_script("report", str(root), "--out", str(out))
+    return {r["name"]: r for r in json.loads(out.read_text())["runs"]}[name]
+
+
 @pytest.mark.slow
 def test_scaling_script_resumes_a_wan_run_exactly(tmp_path: Path) -> None:
     """The random Wan is built from a fixed seed in every process: a run resumed from its rollout-1
@@ -128,22 +142,9 @@ def test_scaling_script_resumes_a_wan_run_exactly(tmp_path: Path) -> None:
         ],
         ["--out", str(repeat)],
     ):
-        proc = subprocess.run(
-            [sys.executable, str(SCRIPT), *common, *extra], capture_output=True, text=True, timeout=600
-        )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        _run_script(*common, *extra)
 
-    def report() -> dict:
-        out = tmp_path / "report.json"
-        subprocess.run(
-            [sys.executable, str(SCRIPT), "report", str(tmp_path), "--out", str(out)],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-        return {r["name"]: r for r in json.loads(out.read_text())["runs"]}["wan"]
-
-    run = report()
+    run = _report(tmp_path, "wan")
     assert run["resume_weights_max_abs_diff"] == 0.0
     assert run["repeat_rewards_max_abs_diff_by_rollout"] == {"0": 0.0, "1": 0.0}
     assert run["resume_last_rollout_rewards_max_abs_diff"] == 0.0 and run["resume_tolerance"] == 1e-6
@@ -157,10 +158,70 @@ def test_scaling_script_resumes_a_wan_run_exactly(tmp_path: Path) -> None:
 
     shift(repeat, 1e-3)  # the repeat lands 1e-3 away: a resume 5e-4 away is as good as the run repeats
     shift(resumed, 5e-4)
-    run = report()
+    run = _report(tmp_path, "wan")
     assert run["resume_tolerance"] == pytest.approx(1e-3) and run["resumed_ok"] is True
     shift(resumed, 1e-3)  # 1.5e-3 away: farther than a repeat, so not resumed
-    assert report()["resumed_ok"] is False
+    assert _report(tmp_path, "wan")["resumed_ok"] is False
+
+
+# slow: two runs of the two-expert tiny Wan, about 45 s on 2 shared cores
+@pytest.mark.slow
+def test_scaling_script_trains_exports_and_resumes_both_wan_a14b_experts(tmp_path: Path) -> None:
+    """Wan 2.2 A14B's form (wan_tiny_a14b): two experts, each with its own LoRA. 3 steps put σ 1.0 above
+    the boundary (0.875) and 0.86 below, so each rollout trains each expert once (the untrained last
+    step is 0.60). Both adapters move, export (the second to transformer_2/, loaded back by diffusers
+    into the pipeline's transformer_2), and a run resumed from the rollout-1 checkpoint ends on the
+    straight run's weights, both experts', bit for bit."""
+    import torch
+    from diffusers import WanPipeline
+
+    from lit_flowgrpo.tiny.wan import build_tiny_wan
+
+    # One thread: the tiny model's kernels take microseconds, and two threads on two shared cores wait
+    # on each other (one tiny forward beside another busy process: 0.3 s with two threads, 5 ms with one).
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    common = ["run", "--strategy", "single", "--size", "wan_tiny_a14b", "--rollouts", "2", "--per_gpu", "8"]
+    common += ["--global_ranks", "1", "--micro_batch", "4", "--num_steps", "3"]
+    straight, resumed = tmp_path / "a14b", tmp_path / "a14b_resumed"
+    _run_script(*common, "--save_at", "1", "--save_trained", "--export", "--out", str(straight), env=env)
+    checkpoint = straight / "ckpt" / "step=1.ckpt"
+    _run_script(
+        *common, "--resume", str(checkpoint), "--compare_to", str(straight), "--out", str(resumed), env=env
+    )
+
+    run = _report(tmp_path, "a14b")
+    assert (run["experts"], run["boundary_ratio"], run["guidance_scale"], run["guidance_scale_2"]) == (
+        2,
+        0.875,
+        4.0,
+        3.0,
+    )
+    assert run["trained_steps_by_expert"] == {"transformer": 2, "transformer_2": 2}
+    assert run["exported_ok"] is True
+    assert run["resume_weights_max_abs_diff"] == 0.0 and run["resumed_ok"] is True
+
+    # Both experts trained: their adapters start with B = 0 (Gaussian init) and are not 0 now.
+    trained = torch.load(straight / "trained.pt")
+    for expert in ("policy._transformer.", "policy._transformer_2."):
+        b = [v for k, v in trained.items() if k.startswith(expert) and ".lora_B." in k]
+        assert b and any(bool(v.any()) for v in b), expert
+    # diffusers loads each expert's adapter into its own transformer and holds the trained weights.
+    pipe = WanPipeline.from_pretrained(build_tiny_wan(tmp_path / "pipe", "a14b"))
+    export = straight / "export"
+    pipe.load_lora_weights(str(export), adapter_name="high")
+    pipe.load_lora_weights(str(export / "transformer_2"), adapter_name="low", load_into_transformer_2=True)
+    for network, adapter, expert in (
+        (pipe.transformer, "high", "_transformer"),
+        (pipe.transformer_2, "low", "_transformer_2"),
+    ):
+        loaded = {
+            f"policy.{expert}.{k.replace(f'.{adapter}.', '.default.')}": v
+            for k, v in network.state_dict().items()
+            if ".lora_" in k
+        }
+        ours = {k: v for k, v in trained.items() if k.startswith(f"policy.{expert}.")}
+        assert sorted(loaded) == sorted(ours)
+        assert all(torch.equal(loaded[k], ours[k]) for k in ours), expert
 
 
 # About 15 processes, 3 at a time at most: 5 to 10 minutes on 2 shared cores, a third of the whole CI.
