@@ -44,8 +44,7 @@ from lit_flowgrpo.policies.base import FlowPolicy, reward_modality_problems
 from lit_flowgrpo.rewards.base import MultiReward, RewardOutput, as_reward
 from lit_flowgrpo.rewards.overlap import RewardQueue
 from lit_flowgrpo.rollout import RolloutBatch, Sampler, cfg_forwards
-from lit_flowgrpo.sequence_parallel import FLAG as SP_FLAG
-from lit_flowgrpo.sequence_parallel import attach_sequence_parallel, sequence_parallel_problems
+from lit_flowgrpo.sequence_parallel import attach_sequence_parallel, sequence_parallel_problems, size_problems
 from lit_flowgrpo.step_output import STAGES, StepOutput, ValidationOutput
 from lit_flowgrpo.strategies import shard_networks, sharding, strategy_problems
 from lit_flowgrpo.update import (
@@ -255,10 +254,7 @@ class FlowGRPOModule(L.LightningModule):
         if sp == 1 or self._trainer is None:
             return  # without a trainer (export, evaluation in Python) one process runs the whole sequence
         # Again with the loaded configs: a hub id's first look, and the checkpoint's own numbers.
-        frames = getattr(self.sampler, "frames", 1)
-        problems = self.policy.sequence_parallel_problems(
-            sp, self.sampler.height, self.sampler.width, frames, SP_FLAG
-        )
+        problems = size_problems(self.policy.sequence_parallel_problems, sp, self.sampler)
         if problems:
             raise SettingsError("invalid settings:\n  " + "\n  ".join(problems))
         device = self._trainer.strategy.root_device

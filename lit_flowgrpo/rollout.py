@@ -75,6 +75,9 @@ class Sampler:
         eval_height: image height of validation; ``None`` uses ``height``. Rollouts at a lower
             resolution than the one the model is judged at make each rollout cheaper.
         eval_width: image width of validation; ``None`` uses ``width``.
+        eval_frames: frames of each validation clip; ``None`` uses ``frames``. Rollouts of short
+            clips make each rollout cheaper while the model is judged at the length it is used at
+            (Wan: rollouts at 33 frames, judged at 81). The policy checks it as it checks ``frames``.
     """
 
     num_steps: int = 10
@@ -93,6 +96,7 @@ class Sampler:
     eval_guidance_scale: float | None = None
     eval_height: int | None = None
     eval_width: int | None = None
+    eval_frames: int | None = None
 
     def __post_init__(self) -> None:
         if self.sde_window_range is not None:
@@ -104,7 +108,7 @@ class Sampler:
         for name in ("num_steps", "eval_num_steps", "height", "width", "frames"):
             if getattr(self, name) < 1:
                 p.append(f"{flag}.{name} ({getattr(self, name)}) must be at least 1")
-        for name in ("eval_height", "eval_width"):
+        for name in ("eval_height", "eval_width", "eval_frames"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 p.append(
                     f"{flag}.{name} ({getattr(self, name)}) must be at least 1, or null to use {name[5:]}"
@@ -139,10 +143,13 @@ class Sampler:
         weight is read)."""
         p = policy.image_size_problems(self.height, self.width)
         check = getattr(policy, "frame_problems", None)  # a duck-typed image policy may lack it
-        if check is not None and isinstance(self.frames, int) and self.frames >= 1:
-            p += check(self.frames, f"{flag}.frames")
-        elif check is None and self.frames != 1:
-            p.append(f"{flag}.frames ({self.frames}) must be 1 for {type(policy).__name__}, an image model")
+        for name, frames in (("frames", self.frames), ("eval_frames", self.eval_frames)):
+            if frames is None:  # eval_frames left null: the rollout's, checked as `frames`
+                continue
+            if check is not None and isinstance(frames, int) and frames >= 1:
+                p += check(frames, f"{flag}.{name}")
+            elif check is None and frames != 1:
+                p.append(f"{flag}.{name} ({frames}) must be 1 for {type(policy).__name__}, an image model")
         flags = (f"{flag}.eval_height", f"{flag}.eval_width")
         own = tuple(
             f for f, v in zip(flags, (self.eval_height, self.eval_width), strict=True) if v is not None
@@ -162,6 +169,11 @@ class Sampler:
             self.height if self.eval_height is None else self.eval_height,
             self.width if self.eval_width is None else self.eval_width,
         )
+
+    @property
+    def eval_frame_count(self) -> int:
+        """Frames of each validation sample (1 for images)."""
+        return self.frames if self.eval_frames is None else self.eval_frames
 
     def settings(self) -> dict[str, object]:
         """Plain values for checkpoints and loggers."""
@@ -261,7 +273,7 @@ class Sampler:
         to_cpu: bool = False,
     ) -> Tensor:
         """Images (B, 3, H, W) in [0, 1] sampled with the deterministic ODE (validation, evaluation),
-        at :attr:`eval_size` (videos of :attr:`frames` frames: (B, F, 3, H, W)).
+        at :attr:`eval_size` (videos of :attr:`eval_frame_count` frames: (B, F, 3, H, W)).
 
         Args:
             policy: the model family.
@@ -276,7 +288,8 @@ class Sampler:
         for rows in self._chunks(len(prompts)):
             device = _device(policy)
             generators = per_sample_generators(seeds[rows], noise_device or device)
-            noise = initial_noise(latent_shape_of(policy, height, width, self.frames), generators, device)
+            shape = latent_shape_of(policy, height, width, self.eval_frame_count)
+            noise = initial_noise(shape, generators, device)
             traj = sample_trajectory(
                 policy,
                 policy.encode_prompts([prompts[i] for i in range(rows.start, rows.stop)]),

@@ -31,7 +31,7 @@ from torch import nn
 
 from lit_flowgrpo.distributed import device_mesh
 
-__all__ = ["FLAG", "attach_sequence_parallel", "sequence_parallel_problems"]
+__all__ = ["FLAG", "attach_sequence_parallel", "sequence_parallel_problems", "size_problems"]
 
 FLAG = "--model.init_args.performance.sequence_parallel"
 
@@ -62,8 +62,22 @@ def sequence_parallel_problems(sp: int, world: int, strategy: Any, policy: Any, 
             f"tokens over ranks: set {FLAG}=1"
         )
     else:
-        problems += ask(sp, sampler.height, sampler.width, getattr(sampler, "frames", 1), FLAG)
+        problems += size_problems(ask, sp, sampler)
     return problems
+
+
+def size_problems(ask: Any, sp: int, sampler: Any) -> list[str]:
+    """The policy's answer (``ask``: its ``sequence_parallel_problems``) at the rollout's size and,
+    where it differs, at validation's: the hooks split the validation forwards too."""
+    frames = getattr(sampler, "frames", 1)
+    rollout = (sampler.height, sampler.width, frames)
+    out = ask(sp, *rollout, FLAG)
+    height, width = getattr(sampler, "eval_size", rollout[:2])
+    validation = (height, width, getattr(sampler, "eval_frame_count", frames))
+    if validation != rollout:
+        prefix = "at the validation size (eval_height, eval_width, eval_frames): "
+        out += [prefix + m for m in ask(sp, *validation, FLAG) if m not in out]
+    return out
 
 
 def _splits(strategy: Any) -> bool:

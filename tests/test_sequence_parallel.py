@@ -96,6 +96,11 @@ def test_bad_settings_are_refused_before_any_weight_is_read(tiny_wan, tiny_sd3_p
 
     assert sequence_parallel_problems(2, 4, ddp, wan, video) == []
     assert sequence_parallel_problems(1, 3, SingleDeviceStrategy(), SD3Policy(tiny_sd3_path), video) == []
+    # Validation runs through the same split: its size (here 3 × 1 × 1 tokens) is checked too.
+    longer = Sampler(height=32, width=32, frames=5, eval_height=16, eval_width=16, eval_frames=9)
+    (message,) = sequence_parallel_problems(2, 4, ddp, wan, longer)
+    assert message.startswith("at the validation size (eval_height, eval_width, eval_frames): " + FLAG)
+    assert "must divide the 3 video tokens" in message
     assert "must divide the number of ranks (4" in problem(3)
     assert "--trainer.strategy=ddp or fsdp2" in problem(2, strategy=SingleDeviceStrategy())
     assert "Wan's transformer only" in problem(2, policy=SD3Policy(tiny_sd3_path))

@@ -92,24 +92,38 @@ class OverOptimizationMonitor(Callback):
             return pooled_pixels(images, self.pool_size)
         return self.features(images)
 
-    def _metrics(self, pl_module: LightningModule, features: Tensor | None = None) -> None:
-        """Build the metrics once the feature length is known: from the sampler's image size (a
-        blank probe through the extractor) or else from the first batch's features. Every rank
-        builds them alike, so their states gather."""
-        if self._train is not None:
-            return
-        if features is None:
-            size = image_size(pl_module)
-            if size is None:
-                return
-            frames = int(getattr(getattr(pl_module, "sampler", None), "frames", 1) or 1)
-            probe = (1, frames, 3, *size) if frames > 1 else (1, 3, *size)
-            with torch.no_grad():
-                features = self._features(torch.zeros(probe, device=pl_module.device))
-        num = int(features.shape[1])
-        self._dtype = features.dtype  # what an empty rank sends in the base's gather
-        self._train = GroupDiversity(num, self.distance, prefix="rollout/").to(pl_module.device)
-        self._val = GroupDiversity(num, self.distance, prefix="val-aux/").to(pl_module.device)
+    def _metrics(
+        self, pl_module: LightningModule, features: Tensor | None = None, validation: bool | None = None
+    ) -> None:
+        """Build the metrics once the feature length is known: from the sampler's sizes (a blank
+        probe through the extractor) or else from the first batch's ``features``, which are
+        validation's where ``validation`` says so (``None``: build both). Every rank builds them
+        alike, so their states gather. Rollout and validation clips may differ in length
+        (``eval_frames``), and a video's feature length with them."""
+        sampler = getattr(pl_module, "sampler", None)
+        for val in (False, True) if validation is None else (validation,):
+            if (self._val if val else self._train) is not None:
+                continue
+            found = features
+            if found is None:
+                size = image_size(pl_module)
+                if size is None:
+                    continue
+                if val and getattr(sampler, "eval_size", None) is not None:
+                    size = tuple(sampler.eval_size)
+                frames = getattr(sampler, "eval_frame_count", None) if val else None
+                frames = getattr(sampler, "frames", 1) if frames is None else frames
+                frames = frames if isinstance(frames, int) and frames >= 1 else 1
+                probe = (1, frames, 3, *size) if frames > 1 else (1, 3, *size)
+                with torch.no_grad():
+                    found = self._features(torch.zeros(probe, device=pl_module.device))
+            self._dtype = found.dtype  # what an empty rank sends in the base's gather
+            prefix = "val-aux/" if val else "rollout/"
+            metric = GroupDiversity(int(found.shape[1]), self.distance, prefix=prefix).to(pl_module.device)
+            if val:
+                self._val = metric
+            else:
+                self._train = metric
         self._drift = self._drift.to(pl_module.device)
 
     @override
@@ -132,7 +146,7 @@ class OverOptimizationMonitor(Callback):
             return
         with torch.no_grad():
             features = self._features(images)
-        self._metrics(pl_module, features)
+        self._metrics(pl_module, features, validation=False)
         assert self._train is not None
         self._train.update(features, group_ids)
         value = float(_compute(self._train)["diversity"])  # a collective: every rank gets here
@@ -168,7 +182,7 @@ class OverOptimizationMonitor(Callback):
             return
         with torch.no_grad():
             features = self._features(images)
-        self._metrics(pl_module, features)
+        self._metrics(pl_module, features, validation=True)
         assert self._val is not None
         group_ids, sample_ids = getattr(batch, "group_ids", None), getattr(batch, "sample_ids", None)
         if group_ids is not None:

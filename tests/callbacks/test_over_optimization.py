@@ -108,6 +108,24 @@ class VideoLearner(Learner):
         )
 
 
+class LongValidationLearner(VideoLearner):
+    """3-frame rollouts, 5-frame validation clips (the sampler's ``eval_frames``)."""
+
+    EVAL_FRAMES = 5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sampler = SimpleNamespace(
+            height=8, width=8, frames=self.FRAMES, eval_size=(8, 8), eval_frame_count=self.EVAL_FRAMES
+        )
+
+    def validation_step(self, batch, batch_idx: int) -> dict:
+        frames = [Learner._images(self, batch.sample_ids, 2 + 20 * f) for f in range(self.EVAL_FRAMES)]
+        images = torch.stack(frames, 1)
+        self.validations[-1].append((images, batch.group_ids, batch.sample_ids))
+        return {"images": images}
+
+
 def fit(
     root: Path,
     monitor: OverOptimizationMonitor,
@@ -258,6 +276,25 @@ def test_videos_compare_their_frames_in_order(tmp_path: Path) -> None:
     monitor = OverOptimizationMonitor(pool_size=4)
     forward, backward = monitor._features(videos), monitor._features(videos.flip(1))
     assert forward.shape == (len(videos), 3 * 3 * 4 * 4) and not torch.equal(forward, backward)
+
+
+def test_validation_clips_may_be_longer_than_the_rollouts(tmp_path: Path) -> None:
+    """eval_frames: rollout and validation features have their own lengths, each probed at fit start."""
+    module, rows = fit(
+        tmp_path, OverOptimizationMonitor(pool_size=4), max_steps=2, module_class=LongValidationLearner
+    )
+
+    def joined(videos: torch.Tensor) -> torch.Tensor:
+        return torch.cat([pooled_pixels(videos[:, f], 4) for f in range(videos.shape[1])], dim=1)
+
+    (_, got), *_ = _logged(rows, "rollout/diversity")
+    videos, groups = module.rollouts[0]
+    assert videos.shape[1] == 3 and got == pytest.approx(_diversity(joined(videos), groups), rel=1e-12)
+    images, groups, _ = _validation(module, -1)
+    assert images.shape[1] == 5
+    (*_, (_, last)) = _logged(rows, "val-aux/diversity")
+    assert last == pytest.approx(_diversity(joined(images), groups), rel=1e-7)
+    assert _logged(rows, "val-aux/drift")[-1][1] > 0
 
 
 def test_settings_are_checked() -> None:

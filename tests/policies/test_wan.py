@@ -212,11 +212,22 @@ def test_bad_frames_and_sizes_name_the_flag(tiny_wan_paths: dict, tiny_sd3_path:
         and "use 33" in problems[1]
     )
     assert Sampler(height=240, width=416, frames=33).image_size_problems(policy) == []
+    # Validation clips of their own length are held to the same rule, under their own flag.
+    (problem,) = Sampler(height=240, width=416, frames=33, eval_frames=80).image_size_problems(policy)
+    assert (
+        problem.startswith("--model.init_args.sampler.eval_frames (80) must be 4k + 1")
+        and "use 81" in problem
+    )
+    assert Sampler(height=240, width=416, frames=33, eval_frames=81).image_size_problems(policy) == []
+    (problem,) = Sampler(eval_frames=0).problems()
+    assert problem == "--model.init_args.sampler.eval_frames (0) must be at least 1, or null to use frames"
     # An image policy draws one frame.
     from lit_flowgrpo.policies.sd3 import SD3Policy
 
     (problem,) = Sampler(height=32, width=32, frames=5).image_size_problems(SD3Policy(tiny_sd3_path))
     assert problem.startswith("--model.init_args.sampler.frames (5) must be 1 for SD3Policy")
+    (problem,) = Sampler(height=32, width=32, eval_frames=5).image_size_problems(SD3Policy(tiny_sd3_path))
+    assert problem.startswith("--model.init_args.sampler.eval_frames (5) must be 1 for SD3Policy")
     # Once loaded, the checkpoint's own factors are checked too.
     policy = _load(tiny_wan_paths["2.1"])
     with pytest.raises(ValueError, match=r"--model.init_args.sampler.frames \(6\).*4k \+ 1"):
@@ -257,6 +268,18 @@ def test_rollout_decodes_videos_and_keeps_bf16_records(tiny_wan_paths: dict) -> 
         with torch.no_grad():
             v = policy.velocity(x, torch.full((2,), float(traj.sigmas[j])), embeds, 4.5)
         torch.testing.assert_close(traj.score(v, j, idx).log_prob, traj.log_probs[:, j], atol=0, rtol=0)
+
+
+def test_validation_draws_eval_frames(tiny_wan_paths: dict) -> None:
+    """Rollouts at ``frames``, validation at ``eval_frames``: the same prompts and seeds give clips
+    of each length."""
+    policy = _load(tiny_wan_paths["2.1"])
+    sampler = Sampler(num_steps=2, eval_num_steps=2, height=SIZE, width=SIZE, frames=FRAMES, eval_frames=9)
+    seeds = torch.tensor([1, 2])
+    _, rollout = sampler.rollout(policy, policy.encode_prompts(PROMPTS), seeds, step=0, seed=0)
+    assert rollout.shape == (2, FRAMES, 3, SIZE, SIZE)
+    assert sampler.evaluate(policy, PROMPTS, seeds).shape == (2, 9, 3, SIZE, SIZE)
+    assert Sampler(height=SIZE, width=SIZE, frames=FRAMES).eval_frame_count == FRAMES
 
 
 def test_flops_forward_runs_the_first_expert(tiny_wan_paths: dict) -> None:
