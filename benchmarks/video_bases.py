@@ -10,6 +10,13 @@ frames)::
     python benchmarks/video_bases.py lit_flowgrpo/toy/assets/toy_video_base.safetensors \\
         --splits val train --out video_base.json
 
+A run's Lightning checkpoint (``.ckpt``) is read too, and every checkpoint after the first gets its
+paired gain over the first (the same prompts and noise), e.g. a quickstart run against its base at
+the guidance it trained at::
+
+    python benchmarks/video_bases.py lit_flowgrpo/toy/assets/toy_video_base.safetensors \\
+        runs/quickstart_video/checkpoints/last.ckpt --guidance 1 --seeds 32
+
 ``direction`` is the fraction of clips that went the named way (chance: 0.25). The verifier's own
 ``moves`` condition asks more (a quarter of the frame side along the direction), so ``direction``
 separates "ignores the direction word" from "moves too little".
@@ -47,16 +54,32 @@ def went(track: list[list[float] | None]) -> str:
     return "down" if dy > 0 else "up"  # image rows count down
 
 
-def evaluate(path: str, split: str, seeds: int, device: str) -> dict[str, Any]:
+def load(path: str) -> ToyVideoPolicy:
+    """A toy video checkpoint (``.safetensors``), or a training run's Lightning checkpoint (``.ckpt``:
+    its ``policy.net`` weights over the shipped base, as a full fine-tune of the quickstart saves them)."""
+    if not path.endswith(".ckpt"):
+        policy = ToyVideoPolicy(pretrained=path)
+        policy.load()
+        return policy
+    policy = ToyVideoPolicy()
+    policy.load()
+    state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    net = {k.split("policy.net.", 1)[1]: v for k, v in state.items() if k.startswith("policy.net.")}
+    if not net:
+        raise ValueError(f"{path} holds no policy.net weights: not a toy video run's checkpoint")
+    policy.net.load_state_dict(net)
+    return policy
+
+
+def evaluate(path: str, split: str, seeds: int, device: str, guidance: float = 3.0) -> dict[str, Any]:
     records = [
         json.loads(line) for line in (ASSETS / f"video_{split}.jsonl").read_text().splitlines() if line
     ]
-    policy = ToyVideoPolicy(pretrained=path)
-    policy.load()
+    policy = load(path)
     policy.to(device)
     frames, size = policy.net.config.frames, policy.net.config.sample_size
     sampler = Sampler(
-        eval_num_steps=10, guidance_scale=3.0, height=size, width=size, frames=frames, batch_size=256
+        eval_num_steps=10, guidance_scale=guidance, height=size, width=size, frames=frames, batch_size=256
     )
     rows = [(r, sample_seed(k, i)) for k in range(seeds) for i, r in enumerate(records)]
     with torch.no_grad():
@@ -82,7 +105,9 @@ def evaluate(path: str, split: str, seeds: int, device: str) -> dict[str, Any]:
         confusion[want][got] += 1
     return {
         "clips": len(rows),
+        "guidance": guidance,
         "strict": float(np.mean(strict)),
+        "strict_by_clip": strict,
         "direction": float(np.mean(right)),
         "confusion": {k: dict(v) for k, v in sorted(confusion.items())},
     }
@@ -93,16 +118,28 @@ def main() -> None:
     p.add_argument("checkpoints", nargs="+")
     p.add_argument("--splits", nargs="+", choices=["val", "train"], default=["val"])
     p.add_argument("--seeds", type=int, default=8, help="seeds per prompt (8: 128 held-out clips)")
+    p.add_argument("--guidance", type=float, default=3.0, help="CFG of the evaluation sampler")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {}
     for path in args.checkpoints:
-        results[path] = {split: evaluate(path, split, args.seeds, device) for split in args.splits}
+        results[path] = {
+            split: evaluate(path, split, args.seeds, device, args.guidance) for split in args.splits
+        }
         line = {
             s: f"strict {r['strict']:.3f} direction {r['direction']:.3f}" for s, r in results[path].items()
         }
         print(path, line, flush=True)
+    first = args.checkpoints[0]
+    for path in args.checkpoints[1:]:  # each against the first, clip by clip (the same prompts and noise)
+        for split in args.splits:
+            diff = np.subtract(
+                results[path][split]["strict_by_clip"], results[first][split]["strict_by_clip"]
+            )
+            se = float(diff.std(ddof=1) / np.sqrt(len(diff)))
+            results[path][split]["gain_vs_first"] = {"mean": float(diff.mean()), "se": se}
+            print(f"{path} - {first} ({split}): {diff.mean():+.3f} ± {se:.3f} ({len(diff)} paired clips)")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 

@@ -182,7 +182,7 @@ def test_bad_frames_and_sizes_name_the_flag(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_video_nft_quickstart_trains_cfg_free_and_evaluates_with_guidance(tmp_path: Path, capsys) -> None:
+def test_video_nft_quickstart_trains_and_evaluates_cfg_free(tmp_path: Path, capsys) -> None:
     """``configs/quickstart_video_nft.yaml``, shortened as above: DiffusionNFT's CFG-free rollout of
     clips, its update of the video network (the NFT statistics logged, the weights moved), and the
     held-out evaluation before and after."""
