@@ -53,6 +53,17 @@ class KLGate:
     every one by 1 − ``rate``, kept within ``fraction_range`` (the released script: 0.1 to start, ×1.1 or
     ×0.9, window 20, range [0.02, 0.2]). Its state is checkpointed.
 
+    The penalty's unit differs from GARDO's code, so its β and ``kl_thres`` do not carry over as they
+    are. Here β multiplies the mean KL over every gated sample the update trains (the weights of
+    :func:`~lit_flowgrpo.algorithms.gated_kl_weights`), whatever the micro-batches. GARDO's script takes
+    the mean over the gated samples of each micro-batch, and 0 for a micro-batch with none, so its
+    penalty, and the KL it logs and compares with ``kl_thres``, is ours times the share P of its
+    micro-batches that hold a gated sample: P ≈ 1 − (1 − g)^b for a gated share g of the trained
+    samples and b samples a micro-batch (GARDO's OCR recipe: g ≈ 0.05, half the batch over-rated times
+    its fraction 0.1, and b = 9 give P ≈ 0.37; the 5% gated in this package's shapes-world runs with
+    b = 32 give P ≈ 0.8). So β_ours ≈ P·β_GARDO, and ``reference.refresh_kl`` ≈ ``kl_thres``/P
+    (:class:`~lit_flowgrpo.lora.ReferenceSettings` says how the refresh itself differs).
+
     Args:
         proxy: the reward component trained on (a key of the reward's components, e.g. ``shapes_color``).
         auxiliary: the components that judge it (at least one).
@@ -76,7 +87,8 @@ class KLGate:
         self._current = self.fraction
         self._risks: list[float] = []
 
-    def problems(self, flag: str, components: list[str] | None) -> list[str]:
+    def problems(self, flag: str, weights: dict[str, float] | None) -> list[str]:
+        """Every problem with these settings, and with the reward's component ``weights`` where known."""
         p = []
         if not 0 < self.fraction <= 1:
             p.append(
@@ -100,17 +112,33 @@ class KLGate:
                 f"{flag}.auxiliary is empty: name at least one reward component that judges the proxy "
                 "(scored with weight 0), e.g. [shapes/partial]"
             )
-        if components is not None:
-            unknown = [c for c in [self.proxy, *self.auxiliary] if c and c not in components]
+        if self.proxy and self.proxy in self.auxiliary:
+            p.append(
+                f"{flag}.auxiliary names the proxy {self.proxy!r} itself: a reward judged by itself is never "
+                "over-rated (uncertainty 0), so no sample would carry the KL; name other components"
+            )
+        if weights is not None:
+            unknown = [c for c in [self.proxy, *self.auxiliary] if c and c not in weights]
             if unknown:
                 p.append(
-                    f"{flag} names {unknown}, which the reward does not compute (its components: {components}): "
-                    "add them to the reward's weights (weight 0 scores without training on it)"
+                    f"{flag} names {unknown}, which the reward does not compute (its components: "
+                    f"{list(weights)}): add them to the reward's weights (weight 0 scores without training on it)"
+                )
+            elif self.proxy and weights[self.proxy] == 0:
+                trained = [c for c, w in weights.items() if w != 0]
+                p.append(
+                    f"{flag}.proxy ({self.proxy!r}) has weight 0 in {flag_of('reward')}.weights: the gate "
+                    f"judges the reward that is trained, so name a trained component ({trained}) or weight it"
                 )
         return p
 
-    def weights(self, proxy: Tensor, auxiliary: Tensor) -> tuple[Tensor, dict[str, float]]:
-        """(N,) KL weights of every rank's samples and what to log; moves ``fraction`` when adaptive."""
+    def weights(
+        self, proxy: Tensor, auxiliary: Tensor, trained: Tensor | None = None
+    ) -> tuple[Tensor, dict[str, float]]:
+        """(N,) KL weights of every rank's samples and what to log; moves ``fraction`` when adaptive.
+
+        ``trained``: (N,) bool, the samples the update trains; the weights are normalised over them (all
+        when ``None``). ``actor/kl_gated_fraction`` is the share of the whole batch the gate picks."""
         u = gardo_uncertainty(proxy, auxiliary)
         positive = u[u > 0]
         if self.adaptive and positive.numel():
@@ -122,8 +150,10 @@ class KLGate:
                 self._current *= 1 - self.rate
             self._current = min(max(self._current, self.fraction_range[0]), self.fraction_range[1])
             self._risks = [*self._risks, risk][-self.window :]
-        w = gated_kl_weights(u, self._current)
-        gated = float((w > 0).float().mean())
+        w = gated_kl_weights(u, self._current, trained)
+        # The gate's pick over the whole batch, before the update drops any sample (GARDO's decision).
+        picked = w if trained is None else gated_kl_weights(u, self._current)
+        gated = float((picked > 0).float().mean())
         return w, {"actor/kl_gated_fraction": gated, "actor/kl_gate_target": self._current}
 
     def state_dict(self) -> dict[str, Any]:
@@ -215,8 +245,8 @@ class AdvantageSettings:
         elif self.aggregation == "gdpo" and reward is not None:
             p += _gdpo_reward_problems(flag, reward)
         if self.kl_gate is not None:
-            components = list(reward.weights) if isinstance(reward, MultiReward) else None
-            p += self.kl_gate.problems(f"{flag}.kl_gate", components)
+            weights = dict(reward.weights) if isinstance(reward, MultiReward) else None
+            p += self.kl_gate.problems(f"{flag}.kl_gate", weights)
         if self.diversity_bonus is not None:
             p += self.diversity_bonus.problems(f"{flag}.diversity_bonus")
         return p
@@ -281,11 +311,6 @@ class AdvantageSettings:
             adv, failure_rate = self.advantages(gathered[0], ids)
             scored = torch.isfinite(gathered[0])
         log["reward/failure_rate"] = failure_rate
-        kl_weights = torch.ones_like(adv)
-        if gate is not None:
-            signals = gathered[num_rows - 1 - len(gate.auxiliary) : num_rows]
-            kl_weights, gate_log = gate.weights(signals[0], signals[1:])
-            log.update(gate_log)
         if self.diversity_bonus is not None:
             mult = diversity_multipliers(
                 gathered[num_rows:].T, ids, adv, distance=self.diversity_bonus.distance
@@ -293,6 +318,13 @@ class AdvantageSettings:
             adv = adv * mult
             boosted = mult[adv > 0]
             log["critic/advantages/diversity_scale_max"] = float(boosted.max()) if boosted.numel() else 1.0
+        # What the update trains, over all ranks: its loss is a mean over these rows.
+        trained = scored & (adv != 0) if self.filter_zero else scored
+        kl_weights = torch.ones_like(adv)
+        if gate is not None:
+            signals = gathered[num_rows - 1 - len(gate.auxiliary) : num_rows]
+            kl_weights, gate_log = gate.weights(signals[0], signals[1:], trained.to(signals.device))
+            log.update(gate_log)
         mine = dp.mine(scored, batch)
         # Over all ranks: rank 0 warns for every rank's, and the module's counter counts them all.
         dropped = int((~scored).sum())
@@ -301,7 +333,12 @@ class AdvantageSettings:
                 f"{dropped} of {scored.numel()} samples have no finite reward: dropped from the advantages"
             )
         return BatchAdvantages(
-            dp.mine(adv, batch), mine, dropped, log, dp.mine(kl_weights.to(adv.device), batch)
+            dp.mine(adv, batch),
+            mine,
+            dropped,
+            log,
+            dp.mine(kl_weights.to(adv.device), batch),
+            dp.mine(trained.to(adv.device), batch),
         )
 
     def _failure_rate(self, scored: Tensor) -> float:
@@ -332,7 +369,11 @@ class BatchAdvantages:
     ``actor/kl_gated_fraction`` and ``actor/kl_gate_target``; under ``diversity_bonus``
     ``critic/advantages/diversity_scale_max``."""
     kl_weights: Tensor | None = None
-    """(B,) fp32: this rank's weights of the KL penalty (all 1 without ``kl_gate``)."""
+    """(B,) fp32: this rank's weights of the KL penalty (all 1 without ``kl_gate``); their mean over
+    every rank's trained samples is 1 where any is gated."""
+    keep: Tensor | None = None
+    """(B,) bool: this rank's samples the update trains: ``scored``, and a non-zero advantage under
+    ``filter_zero`` (``None``: ``scored``)."""
 
 
 def _gdpo_reward_problems(flag: str, reward: Any) -> list[str]:

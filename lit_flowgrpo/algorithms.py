@@ -251,32 +251,45 @@ def gardo_uncertainty(proxy: Tensor, auxiliary: Tensor) -> Tensor:
     return (win_rates(proxy).to(torch.float64) - w_aux.nanmean(dim=0)).float()  # (N,)
 
 
-def gated_kl_weights(uncertainty: Tensor, fraction: float) -> Tensor:
+def gated_kl_weights(uncertainty: Tensor, fraction: float, trained: Tensor | None = None) -> Tensor:
     """GARDO's gate as per-sample weights of the KL penalty: the samples whose uncertainty is positive
-    and among the top ``fraction`` of the positive ones get weight 1/(fraction of the batch gated), the
-    rest 0.
+    and among the top ``fraction`` of the positive ones get weight 1/(fraction of the trained samples
+    gated), the rest 0.
 
     The gate g_i = [u_i > 0 and u_i ≥ q], q the (1 − ``fraction``) quantile of the positive u (GARDO's
-    released script: the ``100 − 100·fraction`` percentile of the non-negative ones). Weighting by
-    g_i·N/Σg makes β·mean_i(w_i·KL_i) = β·mean over the gated samples, GARDO's penalty, exactly
-    whatever the micro-batches and ranks it is split over. A sample with NaN uncertainty (a reward
-    missing) is gated: unjudged is not trusted. All zero when nothing is gated.
+    released script: the ``100 − 100·fraction`` percentile of the non-negative ones), over the whole
+    batch as GARDO gates before it drops any sample. The weights are normalised over what the update
+    trains (``trained``: scored, and a non-zero advantage under ``filter_zero``), since the update's loss
+    is a mean over those rows: w_i = g_i·K/Σ_{trained} g for the K trained samples, 0 for the rest, so
+    β·mean_{trained}(w·KL) = β·mean of KL over the gated trained samples, GARDO's penalty, exactly
+    whatever the micro-batches and ranks it is split over (normalised over the whole batch instead,
+    the effective β would drift with the share of gated samples dropped). A sample with NaN
+    uncertainty (a reward missing) is gated: unjudged is not trusted. All zero when no trained sample
+    is gated.
 
     >>> gated_kl_weights(torch.tensor([-0.2, 0.1, 0.3, 0.2]), fraction=0.5)
     tensor([0., 0., 2., 2.])
+    >>> gated_kl_weights(torch.tensor([-0.2, 0.1, 0.3, 0.2]), 0.5, trained=torch.tensor([1, 1, 0, 1]).bool())
+    tensor([0., 0., 0., 3.])
     """
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction ({fraction}) must lie in (0, 1]")
+    if trained is not None and trained.shape != uncertainty.shape:
+        raise ValueError(
+            f"trained {tuple(trained.shape)} must have the shape of uncertainty {tuple(uncertainty.shape)}"
+        )
     u = uncertainty.detach().to(torch.float64)
+    keep = torch.ones_like(u, dtype=torch.bool) if trained is None else trained.to(u.device, torch.bool)
     positive = u[u > 0]
     gate = torch.isnan(u)
     if positive.numel():
         q = torch.quantile(positive, 1 - fraction)
         gate |= (u > 0) & (u >= q)
+    gate &= keep
     count = int(gate.sum())
     if count == 0:
         return torch.zeros_like(uncertainty, dtype=torch.float32)
-    return (gate.to(torch.float64) * (u.numel() / count)).float()
+    return (gate.to(torch.float64) * (int(keep.sum()) / count)).float()
 
 
 def diversity_multipliers(
@@ -291,7 +304,18 @@ def diversity_multipliers(
     mean). So a good sample that repeats its neighbours gains less than one that found something
     new, and a poor sample is never rewarded for being odd. ``dist``: ``cosine`` 1 − cos (GARDO's, on
     DINOv3 features), ``mse`` the mean squared difference per feature. A group of one, or one whose
-    samples are all alike (mean d = 0), gets multiplier 1. Non-finite features give multiplier 1.
+    samples are all alike (mean d = 0), gets multiplier 1. Non-finite features give multiplier 1, and so
+    does an all-zero feature under ``cosine`` (an all-black image's pooled pixels): it has no direction,
+    so no cosine distance; it is left out of its group as a non-finite one is, neither judged nor a
+    neighbour. (Taken as the zero vector it would lie at distance 1 from everything, the farthest
+    possible for non-negative features, and get the largest bonus of its group; GARDO's own code
+    divides by its norm and gets NaN there, which DINOv3 features never reach.)
+
+    What the multipliers scale differs from GARDO's code: its ``stat_tracking.py`` multiplies the raw
+    centred reward r_i − mean_{g(i)}(r), this package the advantage after its usual normalisation,
+    (r_i − mean)/(std + 1e-4). With ``std: global`` the two differ by the one positive factor
+    1/(std + 1e-4) of the batch: the same update direction, at GARDO's β when ours is
+    β_GARDO/(std + 1e-4) (with ``std: group`` each group's own std, which also reweights the groups).
 
     Args:
         features: (N, F) one feature vector per sample.
@@ -307,7 +331,9 @@ def diversity_multipliers(
     x = features.detach().to(torch.float64)
     ok = torch.isfinite(x).all(dim=1)
     if distance == "cosine":
-        x = x / x.norm(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+        norm = x.norm(dim=1, keepdim=True)  # (N, 1)
+        ok &= norm[:, 0] > 0  # no direction, no cosine: left out as a non-finite feature is
+        x = x / norm.clamp_min(torch.finfo(torch.float64).tiny)
     mult = torch.ones(len(x), dtype=torch.float64, device=x.device)
     for g in torch.unique(group_ids[ok]):
         members = torch.nonzero((group_ids == g) & ok).flatten()

@@ -344,7 +344,7 @@ class FlowGRPOModule(L.LightningModule):
         group_ids = batch.group_ids.to(self.device)
         adv = self.advantage.for_batch(rewards, group_ids, self.reward, self.data_parallel, images)
         self._counters["dropped_samples"] += adv.dropped
-        keep = adv.scored & (adv.values != 0) if self.advantage.filter_zero else adv.scored
+        keep = adv.scored if adv.keep is None else adv.keep  # scored, and non-zero under filter_zero
         # Every sample goes in, so the metric counts the unscored ones (critic/rewards/nonfinite_count);
         # it reduces groups exactly across ranks.
         components = {k: v.to(self.device) for k, v in rewards.components.items()}

@@ -186,6 +186,29 @@ def test_gate_and_bonus_settings_are_refused_with_their_flag() -> None:
     )
 
 
+def test_a_gate_that_could_never_gate_is_refused() -> None:
+    """A gate on a proxy that is not trained on (weight 0), or judged by itself (uncertainty 0 for every
+    sample: nothing gated, the KL never applied), is refused before any weight loads, one line each."""
+    import lit_flowgrpo.toy  # noqa: F401  (registers the shapes world's rewards)
+
+    flag = "--model.init_args.advantage.kl_gate"
+    reward = MultiReward({"shapes_color": 0.0, "shapes/strict": 1.0, "shapes/partial": 0.0})
+    said = AdvantageSettings(kl_gate=KLGate(proxy="shapes_color", auxiliary=["shapes/partial"])).problems(
+        reward=reward
+    )
+    assert len(said) == 1 and "\n" not in said[0]
+    assert said[0].startswith(f"{flag}.proxy ('shapes_color') has weight 0 in --model.init_args.reward")
+    assert "['shapes/strict']" in said[0]  # the fix names the trained components
+    reward = MultiReward({"shapes_color": 1.0, "shapes/partial": 0.0})
+    said = AdvantageSettings(
+        kl_gate=KLGate(proxy="shapes_color", auxiliary=["shapes_color", "shapes/partial"])
+    ).problems(reward=reward)
+    assert len(said) == 1 and said[0].startswith(f"{flag}.auxiliary names the proxy 'shapes_color' itself")
+    # Without the reward's weights (a plain callable) the self-judging gate is still refused.
+    said = AdvantageSettings(kl_gate=KLGate(proxy="p", auxiliary=["p"])).problems()
+    assert len(said) == 1 and "names the proxy 'p' itself" in said[0]
+
+
 class _Table:
     """A reward of three components looked up by sample id (the proxy, a judge, the gold)."""
 
@@ -263,6 +286,78 @@ def test_the_stage_is_the_rederivation_of_its_parts() -> None:
     assert torch.equal(out.values, base * mult)
     want = gated_kl_weights(gardo_uncertainty(table.table["proxy"], table.table["judge"][None]), 0.5)
     assert torch.equal(out.kl_weights, want)
+
+
+class _Fixed:
+    """A reward of fixed components looked up by sample id."""
+
+    def __init__(self, table: dict[str, torch.Tensor]) -> None:
+        self.table = table
+
+    def __call__(self, images, prompts, metadata):
+        return {k: v[[m["id"] for m in metadata]] for k, v in self.table.items()}
+
+
+@pytest.mark.parametrize("filter_zero", [True, False])
+def test_the_kl_weights_average_to_one_over_the_samples_the_update_trains(filter_zero: bool) -> None:
+    """The update's loss is a mean over the samples it trains (scored, and a non-zero advantage under
+    filter_zero), so that is where the gated weights must average to 1: then β·mean(w·KL) over those rows
+    is the mean KL of the gated ones that are trained, β as set, whatever share of the gated samples
+    was dropped. Normalised over the whole batch instead, the gated samples of a saturated group
+    (advantage 0) and an unscored one (gated: unjudged) took weight the update never sees."""
+    g = torch.Generator().manual_seed(6)
+    proxy = torch.rand(24, generator=g)
+    judge = torch.rand(24, generator=g)
+    proxy[0:6] = 1.0  # a saturated group: advantage 0, filtered; the proxy ranks it top ...
+    judge[0:6] = 0.0  # ... and the judge bottom: over-rated, so gated
+    proxy[9] = NAN  # unscored: dropped from training, gated (no uncertainty)
+    reward = MultiReward(
+        {"t/proxy": 1.0, "t/judge": 0.0}, rewards={"t": _Fixed({"proxy": proxy, "judge": judge})}
+    )
+    ids = torch.arange(24)
+    s = AdvantageSettings(
+        filter_zero=filter_zero,
+        kl_gate=KLGate(proxy="t/proxy", auxiliary=["t/judge"], fraction=1.0, adaptive=False),
+    )
+    scores = reward(_images(ids), [""] * 24, [{"id": int(i)} for i in ids])
+    out = s.for_batch(scores, ids // 6, reward, DataParallel())
+    # What the update trains, derived here from the advantages (the module trains out.keep).
+    trained = torch.isfinite(scores.total) & ((out.values != 0) if filter_zero else True)
+    w = out.kl_weights.double()
+    # Over the trained rows the weights average to 1 (each is K/n_gated in fp64, rounded once to fp32).
+    k = int(trained.sum())
+    assert w[trained].mean().item() == pytest.approx(1.0, rel=2**-23)
+    gated = w > 0
+    assert not gated[~trained].any()  # a sample the update never sees carries no share of β
+    u = gardo_uncertainty(proxy, judge[None])
+    gate = torch.isnan(u) | ((u > 0) & (u >= u[u > 0].min()))
+    assert gate[~trained].any() and (gate & trained).any()  # the case drops gated samples and keeps some
+    assert torch.equal(gated, gate & trained)
+    assert torch.equal(out.keep, trained)
+    kl = torch.rand(24, generator=g, dtype=torch.float64)
+    want = math.fsum(kl[gate & trained].tolist()) / int((gate & trained).sum())
+    assert (w[trained] * kl[trained]).sum().item() / k == pytest.approx(want, rel=2**-22)
+    assert out.log["actor/kl_gated_fraction"] == pytest.approx(float(gate.double().mean()), rel=2**-23)
+
+
+def test_an_all_zero_feature_has_no_cosine_distance() -> None:
+    """Under cosine an all-zero feature (an all-black image's pooled pixels) has no direction: it gets
+    multiplier 1 and is nobody's neighbour, as a non-finite one. Taken as the zero vector it lay at
+    distance 1 from everything, the farthest possible for non-negative features: the group's largest
+    bonus."""
+    g = torch.Generator().manual_seed(7)
+    features = torch.rand(5, 6, generator=g, dtype=torch.float64)
+    features[2] = 0.0
+    adv = torch.tensor([1.0, 0.5, 2.0, -1.0, 0.25])
+    ids = torch.zeros(5, dtype=torch.long)
+    got = diversity_multipliers(features, ids, adv, distance="cosine")
+    assert got[2] == 1.0
+    # The others as if the black image were not there at all.
+    rest = [0, 1, 3, 4]
+    alone = diversity_multipliers(features[rest], ids[rest], adv[rest], distance="cosine")
+    assert torch.equal(got[rest], alone)
+    # Under mse the zero vector is a point like any other.
+    assert diversity_multipliers(features, ids, adv, distance="mse")[2] != 1.0
 
 
 # -- the moving reference ------------------------------------------------------------------------------
