@@ -364,7 +364,7 @@ class PolicyStats:
     raw_log_ratio: Tensor
     """log p_θ − log p_old before any re-centring (equals ``log_ratio`` for Flow-GRPO)."""
     advantages: Tensor
-    """Advantages after clipping to ±adv_clip_max."""
+    """The advantages the loss weighed (after its clip to ±adv_clip_max, where it clips)."""
     outside_high: Tensor
     """ratio > 1 + ε_high (bool)."""
     outside_low: Tensor
@@ -622,7 +622,7 @@ def _check_loss_args(
     advantages: Tensor,
     clip_range: float,
     clip_range_high: float | None,
-    adv_clip_max: float,
+    adv_clip_max: float | None,
 ) -> None:
     if log_prob.ndim != 1:
         raise ValueError(f"log_prob must be 1-D (N,), got shape {tuple(log_prob.shape)}")
@@ -638,7 +638,7 @@ def _check_loss_args(
         raise ValueError(f"clip_range ({clip_range}) must be >= 0 (Flow-GRPO uses 1e-4)")
     if clip_range_high is not None and not clip_range_high >= 0:
         raise ValueError(f"clip_range_high ({clip_range_high}) must be >= 0, or None to use clip_range")
-    if not adv_clip_max > 0:
+    if adv_clip_max is not None and not adv_clip_max > 0:
         raise ValueError(f"adv_clip_max ({adv_clip_max}) must be > 0 (Flow-GRPO uses 5.0)")
 
 
@@ -719,7 +719,7 @@ def flow_dppo_loss(
     *,
     kl_mask_threshold: float = 1e-5,
     add_kl_coefficient: bool = True,
-    adv_clip_max: float = 5.0,
+    adv_clip_max: float | None = None,
 ) -> tuple[Tensor, DPPOStats]:
     """Flow-DPPO's divergence-masked policy loss (Ping et al. 2026, arXiv:2606.11025, Eq. 18).
 
@@ -738,12 +738,12 @@ def flow_dppo_loss(
     squared norm (a sum over elements); the code, followed here, compares the mean with δ, so the
     published δ = 1e-5 is in the mean unit.
 
-    Two departures, neither of which changes the loss of this package's advantages: they are
-    clipped to ±adv_clip_max (the references take them as they come; the advantage step has clipped
-    them already, so it is a no-op there and keeps the three ratio losses' signatures alike), and a
-    dropped sample's log-ratio is replaced by 0 before the exponential, so a dropped sample whose ratio overflows
-    contributes 0 to the gradient instead of 0·inf = NaN (the references' ``torch.where`` only
-    protects the forward value).
+    The advantages are taken as they come, as both references take them (neither clips them, in the
+    loss or in its advantage step, where their Flow-GRPO losses clip to ±5): one success in a group of
+    64 has |A| ≈ 7 and keeps all of it. ``adv_clip_max`` clips them to ±that, as the other ratio losses
+    do, when set. One departure, which does not change the loss: a dropped sample's log-ratio is
+    replaced by 0 before the exponential, so a dropped sample whose ratio overflows contributes 0 to
+    the gradient instead of 0·inf = NaN (the references' ``torch.where`` only protects the forward value).
 
     Args:
         log_prob: (N,) log p_θ of the recorded transitions (differentiable).
@@ -757,7 +757,7 @@ def flow_dppo_loss(
             ``kl_mask_threshold`` in both references).
         add_kl_coefficient: ``True`` (published default, same name in both references) divides the
             mean-shift by 2·(std_dev_t·sqrt_dt)², the exact KL; ``False`` uses mean((μ_θ − μ_old)²)/2.
-        adv_clip_max: advantages are clipped to ±this.
+        adv_clip_max: advantages are clipped to ±this; ``None`` (the references') leaves them as they are.
 
     Returns:
         (scalar loss, :class:`DPPOStats`).
@@ -772,7 +772,7 @@ def flow_dppo_loss(
     if not kl_mask_threshold >= 0:
         raise ValueError(f"kl_mask_threshold ({kl_mask_threshold}) must be >= 0 (Flow-DPPO uses 1e-5)")
 
-    adv = advantages.clamp(-adv_clip_max, adv_clip_max)
+    adv = advantages if adv_clip_max is None else advantages.clamp(-adv_clip_max, adv_clip_max)
     log_ratio = log_prob - old_log_prob  # (N,)
     with torch.no_grad():
         ratio = torch.exp(log_ratio)

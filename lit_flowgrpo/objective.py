@@ -246,7 +246,7 @@ class RatioObjective(Objective):
     def problems(self, sde_type: str, flag_path: str = "") -> list[str]:
         a = f"{flag_path or flag('objective')}."
         p = clip_range_problems(self.clip_range, self.clip_range_high, prefix=a)
-        if not self.adv_clip_max > 0:
+        if self.adv_clip_max is not None and not self.adv_clip_max > 0:
             p.append(f"{a}adv_clip_max ({self.adv_clip_max}) must be > 0 (Flow-GRPO uses 5.0)")
         if not self.kl_coef >= 0:
             p.append(f"{a}kl_coef ({self.kl_coef}) must be >= 0")
@@ -475,8 +475,11 @@ class FlowDPPO(RatioObjective):
             ``actor/pg_clipfrac*``: how far the ratios spread around 1, on the Flow-GRPO scale
             (default 1e-4, its SD3.5 value). What the mask removed is ``actor/masked_fraction``.
         clip_range_high: ε_high of the same diagnostic; ``None`` uses ``clip_range``.
-        (``adv_clip_max``, ``kl_coef``, ``kl_with_dt`` as :class:`RatioObjective`: the β·KL to the
-        reference is added to the loss as for the others; the published runs use β = 0)
+        adv_clip_max: ``None`` (the default, as both references): the advantages weigh the loss as
+            they come; a number clips them to ±that, as Flow-GRPO's 5.0 does. Unclipped, one success
+            in a group of 64 (|A| ≈ 7 with the group's std) keeps its full weight.
+        (``kl_coef``, ``kl_with_dt`` as :class:`RatioObjective`: the β·KL to the reference is added to
+        the loss as for the others; the published runs use β = 0)
     """
 
     name: ClassVar[str] = "flow_dppo"
@@ -484,6 +487,7 @@ class FlowDPPO(RatioObjective):
     sde_types: ClassVar[tuple[str, ...]] = ("sde", "dance")
     diagnostics_metric: ClassVar[type[PolicyRatioStats]] = FlowDPPOStats
 
+    adv_clip_max: float | None = None  # type: ignore[assignment]
     kl_mask_threshold: float = 1e-5
     add_kl_coefficient: bool = True
 

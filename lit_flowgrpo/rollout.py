@@ -61,12 +61,15 @@ class Sampler:
         frames: frames per sample, for rollouts and validation: 1 for images (the policy then
             decodes (B, 3, H, W)); a video policy decodes (B, frames, 3, H, W) and says which counts
             it can draw (Wan: 4k + 1).
-        record_dtype: dtype of the latents the trajectory keeps for each trained step (x, x_next
-            and μ_old; log-probs and the final sample stay fp32). ``"bfloat16"`` halves that memory,
+        record_dtype: dtype of the latents the trajectory keeps for each trained step (x and x_next;
+            μ_old, log-probs and the final sample stay fp32). ``"bfloat16"`` halves that memory,
             which dominates at video sizes (Wan 2.1 at 33 × 240 × 416 px: 0.4 MB per sample and
             step in fp32). The chain then continues from the stored values and the recorded
             log-prob is that of the stored x_next, so the update re-scores exactly what the rollout
-            scored: the on-policy ratio stays 1 (its bf16 rounding only, as the model's).
+            scored: the on-policy ratio stays 1 (its bf16 rounding only, as the model's). μ_old is
+            not rounded: the step KL to it is compared with Flow-DPPO's δ = 1e-5, and bf16's
+            rounding of μ alone gives a few 1e-5 before any update; where it is recorded it costs 4
+            bytes an element beside the 2 + 2 of x and x_next.
         batch_size: samples per transformer forward in the rollout and in validation (``None``: the
             whole per-rank batch at once). Each sample's noise comes from its own seed, so this only
             trades memory for speed.
@@ -322,7 +325,8 @@ class Trajectory:
     log_probs: Tensor
     """(B, S) fp32: log p_old(x_next | x) at rollout."""
     prev_sample_means: Tensor | None
-    """(B, S, *latent) in ``record_dtype``: μ_old, kept only when the loss needs it (GRPO-Guard)."""
+    """(B, S, *latent) fp32 whatever ``record_dtype``: μ_old, kept only when the loss or the diagnostics
+    need it (GRPO-Guard, Flow-DPPO, ``diagnostics.step_kl``)."""
     std_dev_t: Tensor
     """(B, S) fp32."""
     sqrt_dt: Tensor
@@ -536,7 +540,9 @@ def sample_trajectory(
             record["std"].append(out.std_dev_t)
             record["sqrt_dt"].append(out.sqrt_dt)
             if keep_means:
-                record["mean"].append(out.prev_sample_mean.to(record_dtype))
+                # fp32 whatever record_dtype: the update compares μ_θ with μ_old at the 1e-5 level (Flow-DPPO's
+                # δ, GRPO-Guard's re-centring); bf16's rounding of μ alone is a step KL of a few 1e-5.
+                record["mean"].append(out.prev_sample_mean)
         x = out.prev_sample
     steps = sorted(train_set)
     empty = torch.zeros(batch, 0, device=device)

@@ -126,7 +126,7 @@ def test_flow_dppo_settings_and_declarations() -> None:
         "name": "flow_dppo",
         "clip_range": 1e-4,
         "clip_range_high": None,
-        "adv_clip_max": 5.0,
+        "adv_clip_max": None,  # the references clip nothing
         "kl_coef": 0.0,
         "kl_with_dt": False,
         "kl_mask_threshold": 1e-5,
@@ -193,3 +193,78 @@ def test_rollout_records_add_means_for_the_step_kl_of_every_ratio_objective() ->
         assert objective.rollout_records(on) == objective.rollout_records(off) == ("transitions", "means")
     # The option only asks the rollout; the metric logs the step KL it is given.
     assert isinstance(FlowGRPO().diagnostics(3, off), PolicyRatioStats)
+
+
+def test_flow_dppo_takes_the_advantages_as_the_references_do() -> None:
+    """One success in a group of 64: |A| ≈ 7.9 with the group's std. UniRL and verl-omni weigh the
+    surrogate with it as it is (neither clips in the loss nor in the advantage step), so on-policy that
+    sample's gradient is −A/N; clipped to 5 it was −5/N, 0.63 of the references'."""
+    from lit_flowgrpo.algorithms import group_advantages
+    from lit_flowgrpo.objective import ScoredStep
+
+    rewards = torch.zeros(64)
+    rewards[17] = 1.0
+    adv = group_advantages(rewards, torch.zeros(64, dtype=torch.long), std="group")
+    assert adv[17] > 7  # (1 − 1/64) / (√63/64 + 1e-4)
+    log_prob = torch.zeros(64, requires_grad=True)
+    mu = torch.zeros(64, 2, 2)
+    scored = ScoredStep(log_prob, torch.zeros(64), adv, mu, mu.clone(), torch.ones(64), torch.ones(64))
+    loss, stats = FlowDPPO().policy_loss(scored)
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    # On-policy r = 1 exactly and nothing is masked: the gradient is −A/N, one fp32 division.
+    assert grad[17].item() == pytest.approx(-adv[17].item() / 64, rel=2**-23)
+    assert torch.equal(stats.advantages, adv)
+    # Set, adv_clip_max clips as the other ratio losses do.
+    loss, stats = FlowDPPO(adv_clip_max=5.0).policy_loss(scored)
+    assert stats.advantages[17] == 5.0
+    assert (
+        FlowDPPO(adv_clip_max=0.0)
+        .problems("sde")[0]
+        .startswith("--model.init_args.objective.init_args.adv_clip_max (0.0) must be > 0")
+    )
+
+
+class _Field:
+    """A deterministic velocity field (the policy the rollout and the update call)."""
+
+    uses_cfg_batch = False
+
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, embeds: dict, guidance: float) -> torch.Tensor:
+        return torch.tanh(x * embeds["scale"].view(-1, 1, 1, 1)) - 0.5 * x + sigma.view(-1, 1, 1, 1)
+
+
+def test_bf16_records_keep_mu_old_exact_so_flow_dppo_starts_inside_its_trust_region() -> None:
+    """With record_dtype bfloat16, x and x_next are stored rounded (the chain continues from them), but
+    μ_old is kept in fp32: rounded, it alone gave an on-policy step KL of up to 4.2e-5 here, above
+    Flow-DPPO's δ = 1e-5, so steps were masked before any update. Kept, the re-scored μ_θ equals it
+    exactly and the step KL is 0."""
+    from lit_flowgrpo.algorithms import gaussian_step_kl
+    from lit_flowgrpo.rollout import sample_trajectory
+    from lit_flowgrpo.sde import sd3_sigmas
+
+    field, b = _Field(), 8
+    embeds = {"scale": torch.linspace(0.5, 2.0, b)}
+    noise = torch.randn(b, 4, 16, 16, generator=torch.Generator().manual_seed(1))
+    traj = sample_trajectory(
+        field,
+        embeds,
+        noise,
+        sd3_sigmas(10),
+        guidance_scale=1.0,
+        noise_level=0.7,
+        sde_type="sde",
+        sde_steps=list(range(10)),
+        train_steps=list(range(9)),
+        generators=[torch.Generator().manual_seed(s) for s in range(b)],
+        record=FlowDPPO.records,
+        record_dtype=torch.bfloat16,
+    )
+    idx = torch.arange(b)
+    for j in range(traj.num_trained):
+        sigma = torch.full((b,), float(traj.sigmas[j]))
+        step = traj.score(field.velocity(traj.latents[:, j].float(), sigma, embeds, 1.0), j, idx)
+        kl = gaussian_step_kl(
+            step.prev_sample_mean, traj.prev_sample_means[:, j], traj.std_dev_t[:, j], traj.sqrt_dt[:, j]
+        )
+        assert torch.equal(kl, torch.zeros(b))
+    assert traj.latents.dtype == torch.bfloat16 and traj.prev_sample_means.dtype == torch.float32

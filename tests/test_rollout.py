@@ -196,7 +196,8 @@ def test_video_records_re_score_on_policy_in_either_storage_dtype(record_dtype: 
         record=("transitions", "means"),
         record_dtype=record_dtype,
     )
-    assert traj.latents.dtype == traj.next_latents.dtype == traj.prev_sample_means.dtype == record_dtype
+    assert traj.latents.dtype == traj.next_latents.dtype == record_dtype
+    assert traj.prev_sample_means.dtype == torch.float32  # μ_old is never rounded (Sampler.record_dtype)
     assert traj.latents.shape == (3, 3, 4, 2, 3, 5) and traj.log_probs.shape == (3, 3)
     assert traj.final.dtype == traj.log_probs.dtype == torch.float32
     # Each trained step starts where the previous one's record ends (the chain runs on stored values).
