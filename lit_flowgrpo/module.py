@@ -170,7 +170,7 @@ class FlowGRPOModule(L.LightningModule):
             masked_prompts=getattr(self.policy, "masked_prompts", False),
         )
         p += self.objective.problems(self.sampler.sde_type)
-        p += self.objective.sampler_problems(self.sampler)
+        p += self.objective.sampler_problems(self.sampler, measure_reference=self.diagnostics.reference_kl)
         p += self.weights.problems(
             self.objective.uses_reference or self.diagnostics.reference_kl,
             getattr(self.policy, "declared_networks", 1),

@@ -160,8 +160,10 @@ class Objective:
             ]
         return []
 
-    def sampler_problems(self, sampler: Sampler) -> list[str]:
-        """Problems with the sampler's settings for this objective (empty when fine)."""
+    def sampler_problems(self, sampler: Sampler, *, measure_reference: bool = False) -> list[str]:
+        """Problems with the sampler's settings for this objective (empty when fine); ``measure_reference``:
+        the KL to the reference is computed even where the loss does not use it
+        (:attr:`VisitContext.measure_reference`)."""
         return []
 
     def after_update(self, weights: TrainableWeights, policy: FlowPolicy, optimizer_steps: int) -> None:
@@ -256,6 +258,25 @@ class RatioObjective(Objective):
     def uses_reference(self) -> bool:
         return self.kl_coef > 0
 
+    def sampler_problems(self, sampler: Sampler, *, measure_reference: bool = False) -> list[str]:
+        # CPS's last step has σ_next = 0, so its noise σ_next·sin(ηπ/2) is 0 and the KL to the reference,
+        # which divides by it, is NaN or inf there: every gradient of such a rollout is NaN (measured
+        # only, at β = 0, the logged KL is). The policy term itself stays finite (CPS's log-prob drops
+        # the variance).
+        if sampler.sde_type != "cps" or not (self.uses_reference or measure_reference):
+            return []
+        reaches = sampler.last_step_problem(flag("sampler"))
+        if reaches is None:
+            return []
+        if self.uses_reference:
+            kl, harm = f"{flag('objective')}.kl_coef {self.kl_coef}", "every gradient there is NaN"
+        else:
+            kl, harm = "--model.init_args.diagnostics.reference_kl", "the KL measured there is not finite"
+        return [
+            f"{flag('sampler')}.sde_type=cps with the KL to the reference ({kl}) divides by CPS's zero noise "
+            f"on the last step, so {harm}: {reaches}, or use sde_type sde"
+        ]
+
     def policy_loss(self, scored: ScoredStep) -> tuple[Tensor, PolicyStats]:
         """The clipped policy term (a scalar) and its per-sample statistics."""
         raise NotImplementedError
@@ -312,7 +333,8 @@ class RatioObjective(Objective):
         )
         pg_loss, stats = self.policy_loss(scored)
         kl = batch.kl_term(self.kl(scored, ref_mean[:live]), rows) if ref_mean is not None else zero
-        loss = pg_loss + self.kl_coef * kl
+        # Only a KL the loss uses enters it: a measured one (β = 0) that is not finite must not make 0·inf.
+        loss = pg_loss + self.kl_coef * kl if self.uses_reference else pg_loss
         diagnostics = dict(
             log_prob=step.log_prob.detach()[:live],
             old_log_prob=scored.old_log_prob,
@@ -638,7 +660,7 @@ class DiffusionNFT(Objective):
             p.append(f"{a}decay ({self.decay!r}) must be one of {sorted(NFT_DECAY_SCHEDULES)}")
         return p + super().problems(sde_type, flag_path)
 
-    def sampler_problems(self, sampler: Sampler) -> list[str]:
+    def sampler_problems(self, sampler: Sampler, *, measure_reference: bool = False) -> list[str]:
         if sampler.guidance_scale > 1:
             return [
                 f"{flag('sampler')}.guidance_scale ({sampler.guidance_scale}) must be 1 with "
@@ -717,7 +739,7 @@ class DiffusionNFT(Objective):
             # The reference's regulariser: mean((v_θ − v_ref)²) per sample, then over the batch.
             diff = v_theta[:live].float() - v_ref[:live].float()  # (N, *latent) fp32
             kl = batch.kl_term((diff**2).mean(dim=tuple(range(1, diff.ndim))), rows)
-        loss = pg_loss + self.kl_coef * kl
+        loss = pg_loss + self.kl_coef * kl if self.uses_reference else pg_loss
         diagnostics = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
         # No ratio to check: DiffusionNFT's off-policy gap is the old deviation, logged as such.
         return Visit(loss, pg_loss, kl, zero, diagnostics)

@@ -124,6 +124,11 @@ class Sampler:
             p.append(
                 f"{flag}.noise_level ({self.noise_level}) must be > 0: RL needs stochastic steps to score"
             )
+        elif self.sde_type == "cps" and self.noise_level > 1:
+            p.append(
+                f"{flag}.noise_level ({self.noise_level}) must be at most 1 with {flag}.sde_type=cps: its noise "
+                "σ_next·sin(η·π/2) is largest at η = 1 and gone at 2 (Flow-GRPO-Fast uses 0.8)"
+            )
         if self.sde_window_size is None:
             if not 0 < self.timestep_fraction <= 1:
                 p.append(f"{flag}.timestep_fraction ({self.timestep_fraction}) must lie in (0, 1]")
@@ -184,6 +189,25 @@ class Sampler:
 
     def _window_range(self) -> tuple[int, int]:
         return self.sde_window_range if self.sde_window_range is not None else (0, self.num_steps)
+
+    def last_step_problem(self, flag: str = "--model.init_args.sampler") -> str | None:
+        """How these settings can train the last step (σ_next = 0), and the fix; ``None`` when they never
+        do. Asked by an objective whose loss cannot take that step (:meth:`plan` draws the steps)."""
+        if self.sde_window_size is None:
+            if int(self.num_steps * self.timestep_fraction) < self.num_steps:
+                return None
+            return (
+                f"{flag}.timestep_fraction ({self.timestep_fraction}) trains the last of num_steps ({self.num_steps}): "
+                "set it below 1 (Flow-GRPO: 0.99)"
+            )
+        lo, hi = self._window_range()
+        if hi < self.num_steps:
+            return None
+        given = [lo, hi] if self.sde_window_range is not None else f"unset: [0, {hi}]"
+        return (
+            f"{flag}.sde_window_range ({given}) lets the window reach the last of num_steps ({self.num_steps}): "
+            f"end it at {self.num_steps - 1} or before"
+        )
 
     def plan(self, step: int, seed: int) -> tuple[list[int], list[int]]:
         """(stochastic steps, trained steps) of the rollout at training step ``step``."""

@@ -268,3 +268,76 @@ def test_bf16_records_keep_mu_old_exact_so_flow_dppo_starts_inside_its_trust_reg
         )
         assert torch.equal(kl, torch.zeros(b))
     assert traj.latents.dtype == torch.bfloat16 and traj.prev_sample_means.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- settings that cannot work, refused
+
+
+def test_cps_last_step_has_no_noise_so_the_kl_to_the_reference_is_not_finite() -> None:
+    """Why the next test refuses: CPS's noise at the last step is σ_next·sin(ηπ/2) = 0, and the KL to
+    the reference divides by it (0/0 on-policy, x/0 after any update)."""
+    from lit_flowgrpo.algorithms import kl_to_reference
+    from lit_flowgrpo.sde import sde_step_with_logprob
+
+    x, v = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4)
+    step = sde_step_with_logprob(v, x, 0.25, 0.0, noise_level=0.8, sde_type="cps")
+    assert torch.equal(step.std_dev_t, torch.zeros(2))
+    assert torch.isfinite(step.log_prob).all()  # the policy term alone stays finite
+    kl = kl_to_reference(step.prev_sample_mean, step.prev_sample_mean + 1e-3, step.std_dev_t)
+    assert not torch.isfinite(kl).any()
+
+
+@pytest.mark.parametrize(
+    ("sampler", "measure", "fix"),
+    [
+        (
+            dict(sde_window_size=2, num_steps=4),
+            False,
+            "--model.init_args.sampler.sde_window_range (unset: [0, 4]) lets the window reach the last of "
+            "num_steps (4): end it at 3 or before, or use sde_type sde",
+        ),
+        (
+            dict(sde_window_size=2, sde_window_range=(1, 6), num_steps=6),
+            False,
+            "--model.init_args.sampler.sde_window_range ([1, 6]) lets the window reach",
+        ),
+        (
+            dict(timestep_fraction=1.0),
+            True,
+            "--model.init_args.sampler.timestep_fraction (1.0) trains the last of num_steps (10): set it "
+            "below 1 (Flow-GRPO: 0.99)",
+        ),
+    ],
+)
+def test_cps_with_a_kl_that_can_reach_the_last_step_is_refused(
+    sampler: dict, measure: bool, fix: str
+) -> None:
+    from lit_flowgrpo.rollout import Sampler
+
+    objective = FlowGRPO(kl_coef=0.0 if measure else 0.04)
+    (problem,) = objective.sampler_problems(Sampler(sde_type="cps", **sampler), measure_reference=measure)
+    kl = "--model.init_args.diagnostics.reference_kl" if measure else "init_args.kl_coef 0.04"
+    assert problem.startswith("--model.init_args.sampler.sde_type=cps with the KL to the reference (")
+    assert kl in problem and fix in problem and "\n" not in problem
+    # Any of the fixes it names is accepted; so is CPS without a KL.
+    ok = Sampler(sde_type="cps", **{**sampler, "timestep_fraction": 0.99})
+    if "sde_window_size" in sampler:
+        ok = Sampler(sde_type="cps", **{**sampler, "sde_window_range": (0, sampler["num_steps"] - 1)})
+    assert objective.sampler_problems(ok, measure_reference=measure) == []
+    assert objective.sampler_problems(Sampler(sde_type="sde", **sampler), measure_reference=measure) == []
+    assert FlowGRPO().sampler_problems(Sampler(sde_type="cps", **sampler)) == []
+    assert GRPOGuardRatioNorm(kl_coef=0.1).sampler_problems(Sampler(sde_type="cps", **sampler)) != []
+
+
+def test_cps_kl_on_the_last_step_stops_the_module_before_loading(tiny_sd3_path: str) -> None:
+    from lit_flowgrpo import FlowGRPOModule, Sampler
+    from lit_flowgrpo.errors import SettingsError
+    from lit_flowgrpo.policies import SD3Policy
+
+    with pytest.raises(SettingsError, match=r"sde_type=cps with the KL to the reference"):
+        FlowGRPOModule(
+            policy=SD3Policy(tiny_sd3_path),
+            reward=lambda images, prompts, metadata: images.mean(dim=(1, 2, 3)),
+            objective=FlowGRPO(kl_coef=0.04),
+            sampler=Sampler(height=32, width=32, sde_type="cps", sde_window_size=2, num_steps=4),
+        )

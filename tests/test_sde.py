@@ -313,3 +313,19 @@ def test_step_bad_input(kwargs: dict, match: str) -> None:
     velocity, sample, sigma, sigma_next = (args.pop(k) for k in ("velocity", "sample", "sigma", "sigma_next"))
     with pytest.raises(ValueError, match=match):
         sde_step_with_logprob(velocity, sample, sigma, sigma_next, **args)
+
+
+def test_cps_noise_level_above_one_is_refused() -> None:
+    """CPS's noise is σ_next·sin(η·π/2): largest at η = 1, shrinking again above it, gone at η = 2."""
+    from lit_flowgrpo.rollout import Sampler
+
+    (problem,) = Sampler(sde_type="cps", noise_level=2.0).problems()
+    assert problem.startswith(
+        "--model.init_args.sampler.noise_level (2.0) must be at most 1 with --model.init_args.sampler.sde_type=cps"
+    )
+    assert Sampler(sde_type="cps", noise_level=1.0).problems() == []
+    assert Sampler(sde_type="sde", noise_level=2.0).problems() == []  # Flow-GRPO's η has no such bound
+    x, v = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4)
+    low = sde_step_with_logprob(v, x, 0.5, 0.25, noise_level=0.5, sde_type="cps").std_dev_t
+    high = sde_step_with_logprob(v, x, 0.5, 0.25, noise_level=1.5, sde_type="cps").std_dev_t
+    torch.testing.assert_close(low, high)  # η and 2 − η draw the same noise
