@@ -8,6 +8,7 @@ import pytest
 import torch
 from diffusers import QwenImagePipeline
 from peft import LoraConfig
+from tolerances import depth, network_atol
 
 from lit_flowgrpo.policies.qwenimage import QwenImagePolicy
 
@@ -140,8 +141,9 @@ def test_prompts_are_padded_to_a_fixed_length_with_their_mask(
         assert not embeds["prompt_embeds"][i, n:].any()
     ref, ref_mask = pipe.encode_prompt(PROMPTS[:1], device="cpu", max_sequence_length=MAX_LEN)
     assert ref_mask is None  # one prompt: the pipeline drops an all-ones mask
-    # Encoded in a padded batch of two here, alone there: equal up to the text encoder's rounding.
-    torch.testing.assert_close(embeds["prompt_embeds"][1:2, : lengths[1]], ref, atol=1e-6, rtol=0)
+    # The policy encodes each prompt alone, through the pipeline's own encode_prompt: the same
+    # computation as the pipeline's for this one prompt, so the rows are bit-equal.
+    torch.testing.assert_close(embeds["prompt_embeds"][1:2, : lengths[1]], ref, atol=0, rtol=0)
 
 
 def test_long_prompts_are_truncated_like_the_pipeline(
@@ -152,7 +154,12 @@ def test_long_prompts_are_truncated_like_the_pipeline(
     embeds = policy.encode_prompts(PROMPTS)
     ref, _ = pipe.encode_prompt(PROMPTS, device="cpu", max_sequence_length=5)
     assert embeds["prompt_embeds_mask"].sum().item() == 10
-    torch.testing.assert_close(embeds["prompt_embeds"], ref, atol=0, rtol=0)
+    # Each prompt encoded alone (exact resume), the pipeline's two in one batch: its matrix products
+    # may sum in another order (by batch size and SIMD width), each reducing layer rounding by about
+    # eps of its scale. A truncation at the wrong token moves the states by O(1).
+    layers = depth(pipe.text_encoder.model.language_model)
+    atol = network_atol(layers, float(ref.abs().max()))  # 23 layers: 7.7e-6; measured 2.4e-7 (AVX-512)
+    torch.testing.assert_close(embeds["prompt_embeds"], ref, atol=atol, rtol=0)
 
 
 def test_one_lora_training_step_trains_only_the_adapter(tiny_qwenimage_path: str) -> None:
