@@ -71,9 +71,16 @@ class ReferenceSettings:
     learning; GARDO (arXiv:2512.24138, Sec. 4.2) moves the reference along instead:
 
     - ``refreshed``: the reference is set to the trained weights every ``refresh_every`` optimizer steps,
-      and after any update whose mean KL to it (``actor/kl_loss``) exceeded ``refresh_kl``, whichever
-      comes first (GARDO's released script: every 15 epochs at the latest, and when the KL passes
-      ``kl_thres``, 3e-4 in its OCR/GenEval configs);
+      and after any update whose mean KL to it (``actor/kl_loss``, over every rank) exceeded
+      ``refresh_kl``, whichever comes first. GARDO's released script refreshes once more than
+      ``reset_freq`` (15) epochs have passed since the last refresh, i.e. every ``reset_freq`` + 1 = 16
+      epochs: at its 2 optimizer steps an epoch that is ``refresh_every: 32``
+      ((``reset_freq`` + 1) × ``optimizer_steps_per_rollout``; 30 would refresh one epoch early). It
+      also refreshes after an epoch in which any one optimizer step's KL passed ``kl_thres`` (3e-4 in
+      its OCR/GenEval configs), where this compares the mean over the update's optimizer steps: the
+      same with one optimizer step per rollout, a later refresh with more. And its KL is in another
+      unit: ``refresh_kl`` ≈ ``kl_thres``/P, P the share of its micro-batches that hold a gated sample
+      (:class:`~lit_flowgrpo.advantages.KLGate`; without a gate P = 1);
     - ``ema``: after each update, ref ← ``ema_decay``·ref + (1 − ``ema_decay``)·θ, a reference that trails
       the policy by about 1/(1 − ``ema_decay``) updates.
 
@@ -118,7 +125,7 @@ class ReferenceSettings:
         if self.mode == "refreshed" and self.refresh_every is None and self.refresh_kl is None:
             p.append(
                 f"{flag}.mode=refreshed needs {flag}.refresh_every or {flag}.refresh_kl (GARDO uses both: e.g. "
-                "refresh_every: 30, refresh_kl: 3.0e-4)"
+                "refresh_every: 32, refresh_kl: 3.0e-4)"
             )
         if self.mode != "refreshed" and (self.refresh_every is not None or self.refresh_kl is not None):
             p.append(
