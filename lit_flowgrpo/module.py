@@ -305,7 +305,7 @@ class FlowGRPOModule(L.LightningModule):
         timings["ref"] = done.reference_s
         timings["update_actor"] = self._clock() - t - timings["ref"]
         timings["step"] = self._clock() - start
-        self._log_step(done)
+        self._log_step()
         return StepOutput(
             timings=timings,
             num_images=len(batch),
@@ -384,7 +384,30 @@ class FlowGRPOModule(L.LightningModule):
         self._idle.observe(done.optimizer_steps)
         # After the whole update (DiffusionNFT's old-policy refresh), given the optimizer steps so far.
         self.objective.after_update(self.weights, self.policy, self.global_step)
+        # The moving reference (GARDO's refresh, or an EMA), from this update's mean KL over every rank.
+        self._losses = self._mean_losses(done)
+        kl = self._losses["actor/kl_loss"] if self._losses["count"] else float("nan")
+        self.weights.after_update(self.policy, self.global_step, kl)
         return done
+
+    def _mean_losses(self, done: UpdateResult) -> dict[str, float]:
+        """The update's mean losses over every rank's micro-batches (``actor/loss``, ``pg_loss``,
+        ``kl_loss``) and their ``count``; counts the non-finite ones."""
+        assert done.loss_sums is not None
+        # Summed over the ranks (one gather, fp64; the step's one read of the loss sums), so every rank
+        # holds what one process would, and the moving reference decides on the same KL on every rank.
+        sums = torch.cat(
+            [done.loss_sums.double(), done.loss_sums.new_tensor([done.num_losses], dtype=torch.float64)]
+        )
+        loss, pg_loss, kl_loss, nonfinite, count = self.data_parallel.stack(sums).sum(0).tolist()
+        self._counters["nonfinite_losses"] += int(nonfinite)
+        n = max(count, 1)
+        return {
+            "actor/loss": loss / n,
+            "actor/pg_loss": pg_loss / n,
+            "actor/kl_loss": kl_loss / n,
+            "count": count,
+        }
 
     def _optimizer_step(self, opt: Any, sched: Any) -> bool:
         """Clip and step; ``False`` if a non-finite gradient skipped the step."""
@@ -399,24 +422,10 @@ class FlowGRPOModule(L.LightningModule):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._grad_norm = float("nan")
 
-    def _log_step(self, done: UpdateResult) -> None:
-        assert done.loss_sums is not None
-        # Summed over the ranks (one gather, fp64; the step's one read of the loss sums), so every rank
-        # holds what one process would: the mean losses over all micro-batches, the count of non-finite
-        # ones, and the moving reference's refresh below decides on the same KL on every rank.
-        sums = torch.cat(
-            [done.loss_sums.double(), done.loss_sums.new_tensor([done.num_losses], dtype=torch.float64)]
-        )
-        loss, pg_loss, kl_loss, nonfinite, count = self.data_parallel.stack(sums).sum(0).tolist()
-        n = max(count, 1)
-        loss, pg_loss, kl_loss = loss / n, pg_loss / n, kl_loss / n
-        self._counters["nonfinite_losses"] += int(nonfinite)
-        # The moving reference (GARDO's refresh, or an EMA) after this update, from its mean KL.
-        self.weights.after_update(self.policy, self.global_step, kl_loss if count else float("nan"))
-        values = {
-            "actor/loss": loss,
-            "actor/pg_loss": pg_loss,
-            "actor/kl_loss": kl_loss,
+    def _log_step(self) -> None:
+        # The update's mean losses as _update computed them for the moving reference: logging changes nothing.
+        values = {k: v for k, v in self._losses.items() if k.startswith("actor/")}
+        values |= {
             "actor/kl_coef": self.objective.kl_coef,
             "actor/grad_norm": self._grad_norm,
             "actor/reference_refreshes": float(self.weights.refreshes),
