@@ -173,7 +173,12 @@ class DiversityBonus:
     The features are the images averaged down to ``pool``×``pool`` cells
     (:func:`~lit_flowgrpo.diversity.pooled_pixels`: no model to download); GARDO uses DINOv3 embeddings
     with ``cosine``. Layout and colour are what pooled pixels keep, which is what tells two drawings of
-    one prompt apart in the shapes world.
+    one prompt apart in the shapes world. An all-black image pools to the zero vector, which has no
+    cosine distance: it keeps its advantage and is nobody's neighbour.
+
+    The multipliers scale the advantages after their normalisation (``std``), where GARDO's script
+    scales the raw centred rewards: with ``std: global`` the same direction at a β divided by the
+    batch's std + 1e-4 (:func:`~lit_flowgrpo.algorithms.diversity_multipliers`).
 
     Args:
         pool: cells a side of the pooled image.
