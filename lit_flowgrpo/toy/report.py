@@ -238,8 +238,15 @@ class HeldOutReport(L.Callback):
         for logger in trainer.loggers:
             logger.log_metrics(values, step=0)
 
-    @rank_zero_only
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Every rank asks for the folder: ``trainer.log_dir`` broadcasts rank 0's, a collective that
+        # rank 0 alone would wait in (or fail in, once the other ranks have left) under DDP.
+        folder = trainer.log_dir or trainer.default_root_dir
+        self._report(trainer, folder)
+
+    @rank_zero_only
+    def _report(self, trainer: L.Trainer, folder: str) -> None:
+        """The last line, the proxy's line and the picture (rank 0 only)."""
         self.last_line = self._last_line(trainer)
         print(self.last_line, flush=True)
         proxy = self.proxy_history
@@ -252,7 +259,6 @@ class HeldOutReport(L.Callback):
         tuned = self.history[-1] if self.history and self.history[-1][0] == self.rollouts > 0 else None
         if tuned is None or self._first is None or self._last is None or not len(self._first.images):
             return
-        folder = trainer.log_dir or trainer.default_root_dir
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, self.filename)
         first, last = self._first, self._last

@@ -7,7 +7,6 @@ import csv
 import math
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -53,6 +52,14 @@ def test_without_flags_there_is_no_frame_and_no_legend() -> None:
 # -- the last line ---------------------------------------------------------------------------------
 
 
+class _Keys:
+    """The module's reward as the report reads it: the logged key of a validation component (a class,
+    not a lambda, so that ``ddp_spawn`` can pickle the module)."""
+
+    def validation_keys(self, name: str) -> list[str]:
+        return [f"val-core/{name}/mean@1"]
+
+
 class Learner(L.LightningModule):
     """A stand-in for FlowGRPOModule: each rollout is one optimizer step, and validation scores
     ``0.1 × rollouts done`` (optimizer steps) strict accuracy on 4 samples per batch."""
@@ -61,7 +68,7 @@ class Learner(L.LightningModule):
         super().__init__()
         self.automatic_optimization = False
         self.w = torch.nn.Parameter(torch.zeros(1))
-        self.reward = SimpleNamespace(validation_keys=lambda name: [f"val-core/{name}/mean@1"])
+        self.reward = _Keys()
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         opt = self.optimizers()
@@ -88,9 +95,13 @@ def fit(
     module: L.LightningModule | None = None,
     logger: Any = False,
     accelerator: str = "cpu",
+    devices: int | str = "auto",
+    strategy: str = "auto",
 ) -> None:
     trainer = L.Trainer(
         accelerator=accelerator,
+        devices=devices,
+        strategy=strategy,
         max_steps=max_steps,
         max_epochs=-1,
         val_check_interval=2,
@@ -267,10 +278,25 @@ def test_a_proxy_must_differ_from_the_tracked_component() -> None:
         HeldOutReport(proxy="shapes/strict")
 
 
+def test_the_picture_is_drawn_under_two_process_ddp(tmp_path: Path, capfd, monkeypatch) -> None:
+    """Rank 0 draws the picture and says the last line; the folder is asked for on every rank, since
+    Lightning's ``trainer.log_dir`` is a collective. Asked on rank 0 alone (it was), rank 0's broadcast
+    found the other rank gone: the run failed at its end (gloo) or drew nothing (two GPUs)."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    fit(tmp_path, HeldOutReport(), max_steps=2, module=PairedLearner(), devices=2, strategy="ddp_spawn")
+    assert (tmp_path / "base_vs_tuned.png").is_file()
+    out = capfd.readouterr().out
+    # i·2 is even: every sample back at its base verdict (4 samples, each validated on both ranks)
+    assert out.count("held-out strict accuracy: 0.000 -> 0.000 (+0.000 ± 0.000, 4 paired samples;") == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_picture_is_drawn_from_samples_on_a_gpu(tmp_path: Path) -> None:
+    # One GPU whatever the host has: the subject is samples on a CUDA device, not the number of
+    # processes (two processes: the test above). With devices left to Lightning, a host with two GPUs
+    # starts DDP by running this pytest session again as rank 1.
     report = HeldOutReport()
-    fit(tmp_path, report, max_steps=2, module=PairedLearner(), accelerator="cuda")
+    fit(tmp_path, report, max_steps=2, module=PairedLearner(), accelerator="cuda", devices=1)
     assert report.paired_gain() is not None
     assert (tmp_path / "base_vs_tuned.png").is_file()  # failed before: CUDA samples cannot become numpy
