@@ -261,9 +261,10 @@ def gated_kl_weights(uncertainty: Tensor, fraction: float, trained: Tensor | Non
     batch as GARDO gates before it drops any sample. The weights are normalised over what the update
     trains (``trained``: scored, and a non-zero advantage under ``filter_zero``), since the update's loss
     is a mean over those rows: w_i = g_i·K/Σ_{trained} g for the K trained samples, 0 for the rest, so
-    β·mean_{trained}(w·KL) = β·mean of KL over the gated trained samples, GARDO's penalty, exactly
-    whatever the micro-batches and ranks it is split over (normalised over the whole batch instead,
-    the effective β would drift with the share of gated samples dropped). A sample with NaN
+    β·mean_{trained}(w·KL) = β·mean of KL over the gated trained samples exactly, whatever the
+    micro-batches and ranks it is split over (normalised over the whole batch instead, the effective β
+    would drift with the share of gated samples dropped). GARDO's script takes that mean per
+    micro-batch instead (:class:`~lit_flowgrpo.advantages.KLGate` converts). A sample with NaN
     uncertainty (a reward missing) is gated: unjudged is not trusted. All zero when no trained sample
     is gated.
 
