@@ -361,7 +361,7 @@ class TrainableWeights:
         if self._ref_state is None:
             # The adapter as it starts: peft's initialisations (gaussian or default) zero its B, so this
             # reference computes what the adapter switched off does, until it moves.
-            self._ref_state = {n: p.detach().clone() for n, p in _trainable_of(policy)}
+            self._ref_state = {n: p.detach().clone() for n, p in _trainable_of(policy, resharded=True)}
         return self._ref_state
 
     def _reference_pairs(self, policy: FlowPolicy) -> Iterator[tuple[Tensor, Tensor]]:
@@ -373,10 +373,10 @@ class TrainableWeights:
                 )
             # Shard by shard (the two are sharded alike): an offloaded reference's shards sit in host
             # memory, the trained ones on the GPU, and this is elementwise.
-            pairs = zip(self._frozen.parameters(), policy.transformer.parameters(), strict=True)
+            pairs = zip(_parameters(self._frozen), _parameters(policy.transformer), strict=True)
             return ((_local(r), _local(t)) for r, t in pairs)
         ref = self._ref_lora(policy)
-        return ((ref[n], p) for n, p in _trainable_of(policy))
+        return ((ref[n], p) for n, p in _trainable_of(policy, resharded=True))
 
     @torch.no_grad()
     def after_update(self, policy: FlowPolicy, optimizer_steps: int, kl: float) -> bool:
@@ -408,10 +408,11 @@ class TrainableWeights:
         return True
 
     def reference_state_dict(self, policy: FlowPolicy) -> dict[str, Any]:
-        """A moving reference's tensors and schedule for a checkpoint (empty for ``initial``)."""
+        """A moving reference's tensors and schedule for a checkpoint (empty for ``initial``). Under
+        FSDP2 the tensors are this rank's shards (DTensors), which the strategy saves as such."""
         if self.reference_settings.mode == "initial":
             return {}
-        tensors = self._frozen.state_dict() if self.lora is None else self._ref_lora(policy)  # type: ignore[union-attr]
+        tensors = _state_tensors(self._frozen) if self.lora is None else self._ref_lora(policy)  # type: ignore[arg-type]
         return {
             "tensors": {k: v.detach().clone() for k, v in tensors.items()},
             "steps_at_refresh": self._steps_at_refresh,
@@ -429,18 +430,9 @@ class TrainableWeights:
                 f"{self.reference_settings.mode} needs: it was written by a run with another reference; resume "
                 "with the run's own config"
             )
-        if self.lora is None:
-            assert self._frozen is not None
-            self._frozen.load_state_dict(state["tensors"], strict=True)
-        else:
-            ref = self._ref_lora(policy)
-            if set(state["tensors"]) != set(ref):
-                raise ValueError(
-                    f"the checkpoint's KL reference holds {len(state['tensors'])} tensors, this run's adapter "
-                    f"{len(ref)}: resume with the run's own config"
-                )
-            for name, value in state["tensors"].items():
-                ref[name].copy_(value)
+        assert self.lora is not None or self._frozen is not None
+        targets = _state_tensors(self._frozen) if self.lora is None else self._ref_lora(policy)  # type: ignore[arg-type]
+        _copy_into(targets, state["tensors"], "KL reference")
         self._steps_at_refresh = int(state["steps_at_refresh"])
         self.refreshes = int(state["refreshes"])
 
@@ -461,7 +453,7 @@ class TrainableWeights:
     def _old_lora(self, policy: FlowPolicy) -> dict[str, Tensor]:
         if self._old_state is None:
             # θ_old starts as θ (the reference copies the adapter before the first rollout).
-            self._old_state = {n: p.detach().clone() for n, p in _trainable_of(policy)}
+            self._old_state = {n: p.detach().clone() for n, p in _trainable_of(policy, resharded=True)}
         return self._old_state
 
     @contextmanager
@@ -492,20 +484,21 @@ class TrainableWeights:
         reference's order of operations: ``old * decay + new * (1 - decay)``)."""
         if self.lora is None:
             assert self._old_network is not None
-            pairs = zip(self._old_network.parameters(), policy.transformer.parameters(), strict=True)
+            pairs = zip(_parameters(self._old_network), _parameters(policy.transformer), strict=True)
         else:
             old = self._old_lora(policy)
-            pairs = ((old[n], p) for n, p in _trainable_of(policy))
+            pairs = ((old[n], p) for n, p in _trainable_of(policy, resharded=True))
         for target, source in pairs:
             target.copy_(target * decay + source.detach().to(target.dtype) * (1.0 - decay))
 
     def old_state_dict(self, policy: FlowPolicy) -> dict[str, Tensor]:
-        """The old policy's tensors for a checkpoint (empty without ``old_policy``)."""
+        """The old policy's tensors for a checkpoint (empty without ``old_policy``). Under FSDP2 they
+        are this rank's shards (DTensors), which the strategy saves as such."""
         if not self.old_policy:
             return {}
         if self.lora is None:
             assert self._old_network is not None
-            return {k: v.detach().clone() for k, v in self._old_network.state_dict().items()}
+            return {k: v.detach().clone() for k, v in _state_tensors(self._old_network).items()}
         return {k: v.detach().clone() for k, v in self._old_lora(policy).items()}
 
     @torch.no_grad()
@@ -513,18 +506,9 @@ class TrainableWeights:
         """Restore what :meth:`old_state_dict` saved."""
         if not self.old_policy:
             return
-        if self.lora is None:
-            assert self._old_network is not None
-            self._old_network.load_state_dict(state, strict=True)
-            return
-        old = self._old_lora(policy)
-        if set(state) != set(old):
-            raise ValueError(
-                f"the checkpoint's old policy holds {len(state)} tensors, this run's adapter {len(old)}: "
-                "resume with the run's own config"
-            )
-        for name, value in state.items():
-            old[name].copy_(value)
+        assert self.lora is not None or self._old_network is not None
+        targets = _state_tensors(self._old_network) if self.lora is None else self._old_lora(policy)  # type: ignore[arg-type]
+        _copy_into(targets, state, "old policy")
 
     @staticmethod
     def read_checkpoint(path: str, module: nn.Module, *, use_ema: bool = True) -> dict[str, Tensor]:
@@ -708,14 +692,73 @@ def _networks(policy: FlowPolicy) -> tuple[nn.Module, ...]:
     return tuple(getattr(policy, "trainable_networks", None) or (policy.transformer,))
 
 
-def _trainable_of(policy: FlowPolicy) -> list[tuple[str, nn.Parameter]]:
+def _trainable_of(policy: FlowPolicy, resharded: bool = False) -> list[tuple[str, nn.Parameter]]:
     """The trainable tensors of every trained network: the first network's under their own names (as
-    a one-network policy's), a further network's prefixed ``network<i>.``."""
+    a one-network policy's), a further network's prefixed ``network<i>.``.
+
+    ``resharded``: reshard each network first (:func:`~lit_flowgrpo.strategies.reshard`), so that under
+    FSDP2 these are the shards the optimizer steps and the next forward gathers, not weights that a
+    forward left gathered (``reshard_after_forward=false``); only where no backward is pending.
+    """
     out = []
     for i, network in enumerate(_networks(policy)):
+        if resharded:
+            from lit_flowgrpo.strategies import reshard
+
+            reshard(network)
         prefix = "" if i == 0 else f"network{i}."
         out += [(prefix + n, p) for n, p in _trainable(network)]
     return out
+
+
+def _parameters(network: nn.Module) -> list[nn.Parameter]:
+    """``network``'s parameters, resharded first (see :func:`_trainable_of`)."""
+    from lit_flowgrpo.strategies import reshard
+
+    reshard(network)
+    return list(network.parameters())
+
+
+def _state_tensors(network: nn.Module) -> dict[str, Tensor]:
+    """The live tensors of ``network``'s state dict, by its names (to read for a checkpoint and to load
+    into); resharded first, so that a sharded network's are its shards (DTensors)."""
+    from lit_flowgrpo.strategies import reshard
+
+    reshard(network)
+    live = dict(network.named_parameters(remove_duplicate=False))
+    live.update(network.named_buffers(remove_duplicate=False))
+    return {name: live[name] for name in network.state_dict()}
+
+
+def _copy_into(targets: dict[str, Tensor], state: dict[str, Tensor], what: str) -> None:
+    """Copy a checkpoint's ``state`` into the live ``targets`` by name: a copy's tensors restored.
+
+    What comes from the checkpoint is either laid out as the target (a sharded folder's: this rank's
+    shards, as DTensors) or whole (a file's, or a gathered one's), which is cut to this rank's shard
+    here, without communication; the copy is value for value either way.
+    """
+    if set(state) != set(targets):
+        raise ValueError(
+            f"the checkpoint's {what} holds {len(state)} tensors, this run's {len(targets)} (e.g. "
+            f"{sorted(set(state) ^ set(targets))[:2]}): resume with the run's own config"
+        )
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for name, target in targets.items():
+            value = state[name].detach()
+            if isinstance(target, DTensor):
+                if not isinstance(value, DTensor):
+                    mesh, placements = target.device_mesh, target.placements
+                    value = distribute_tensor(value, mesh, placements, src_data_rank=None)
+                elif tuple(value.placements) != tuple(target.placements) or value.shape != target.shape:
+                    raise ValueError(
+                        f"the checkpoint's {what} tensor {name} is laid out as {value.placements} "
+                        f"{tuple(value.shape)}, this run's as {target.placements} {tuple(target.shape)}"
+                    )
+                target.to_local().copy_(value.to_local())
+            else:
+                target.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
 
 
 @contextmanager
@@ -750,7 +793,10 @@ def _swapped_in(policy: FlowPolicy, stored: dict[str, Tensor]) -> Iterator[None]
     in-place copy also reaches FSDP2's shards. Enter it before the θ forward of a visit: the θ graph
     must not save tensors it swaps.
     """
-    params = dict(_trainable_of(policy))
+    # Resharded on entry and on exit (no backward is pending at either): a unit that a forward left
+    # gathered (reshard_after_forward=false) would compute its next forward with the gathered weights,
+    # not with the shards written here.
+    params = dict(_trainable_of(policy, resharded=True))
     with torch.no_grad():
         current = {n: p.detach().clone() for n, p in params.items()}
         for n, p in params.items():
@@ -758,6 +804,7 @@ def _swapped_in(policy: FlowPolicy, stored: dict[str, Tensor]) -> Iterator[None]
     try:
         yield
     finally:
+        _trainable_of(policy, resharded=True)
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(current[n])

@@ -36,6 +36,13 @@ are sharded in the policy's dtype, without a policy.
 Checkpoints hold the trainable parameters only (the frozen base is re-read from ``pretrained``, as on one
 GPU): a folder with one shard file per rank by default (``torch.distributed.checkpoint``), or one file
 gathered on rank 0 with ``save_distributed_checkpoint=False``. Both resume on any number of ranks.
+
+Sharded tensors elsewhere in the checkpoint (the copies of the weights that a run keeps beside them:
+DiffusionNFT's old policy, a moving KL reference, each sharded like the weights it copies) travel the
+same way: in a folder each rank writes its shards of them beside the weights' (``meta.pt``, which rank 0
+alone writes, keeps a marker in their place), and a gathered file holds them whole. Lightning's
+``ModelParallelStrategy`` would pickle them into ``meta.pt`` as rank 0 holds them, its shard only, which
+every rank then loads as its own.
 """
 
 from __future__ import annotations
@@ -240,12 +247,49 @@ class FSDP2Strategy(ModelParallelStrategy):
         frozen = {n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
         return {k: v for k, v in state.items() if k not in frozen}
 
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        """Save as the parent does, with the sharded tensors outside the model and optimizer states
+        (the module's copies of its weights) sharded in a folder and gathered whole in a file (see the
+        module docstring). Every rank calls it: the gathers are collectives."""
+        rest = [key for key in checkpoint if key not in ("state_dict", "optimizer_states")]
+        if not self._save_distributed_checkpoint:
+            for key in rest:
+                checkpoint[key] = _gathered(checkpoint[key], self.global_rank)
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        shards: dict[str, Any] = {}
+        for key in rest:
+            checkpoint[key] = _set_apart(checkpoint[key], key, shards)
+        if not shards:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        if storage_options is not None:  # as the parent refuses it
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported"
+            )
+        import torch.distributed.checkpoint as dcp
+
+        # The parent's folder, written here with one more entry: the shards set apart.
+        path = Path(self.broadcast(filepath))
+        if path.is_file():
+            path.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+        state = {"state_dict": checkpoint.pop("state_dict"), _SHARDED: shards}
+        state.update({f"optimizer_{i}": o for i, o in enumerate(checkpoint.pop("optimizer_states", []))})
+        dcp.save(state, checkpoint_id=path)
+        if self.global_rank == 0:
+            torch.save(checkpoint, path / _METADATA_FILENAME)
+
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Load what the checkpoint holds into the sharded model and optimizers.
 
         Unlike the parent, the checkpoint may hold a subset of the model (the trainable weights): the
         LightningModule's ``on_load_checkpoint`` checks what must be there against
-        ``checkpoint["state_dict"]``, which holds the keys that were loaded.
+        ``checkpoint["state_dict"]``, which holds the keys that were loaded. The sharded tensors set
+        apart on saving come back in their places, as this rank's shards (DTensors on this run's mesh,
+        in host memory; whole tensors from a gathered file): their owners copy them into their own.
         """
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
@@ -286,6 +330,7 @@ class FSDP2Strategy(ModelParallelStrategy):
                 )
             checkpoint = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
             checkpoint["state_dict"] = state
+            self._load_set_apart(checkpoint, reader)
             return checkpoint
         checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
         full = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
@@ -295,6 +340,118 @@ class FSDP2Strategy(ModelParallelStrategy):
         ):
             set_optimizer_state_dict(model, optimizer, _by_name(optim_state, model), options=full)
         return checkpoint
+
+    def _load_set_apart(self, checkpoint: dict[str, Any], reader: Any) -> None:
+        """Replace each marker :func:`_set_apart` left in ``checkpoint`` by this rank's shards of its
+        tensor, read from the folder (with any number of ranks: the reader reshards)."""
+        import torch.distributed.checkpoint as dcp
+
+        markers: dict[str, dict[str, Any]] = {}
+        _find_markers(checkpoint, markers)
+        if not markers:
+            return
+        mesh = self.device_mesh["data_parallel"]
+        shards = {key: _empty_shards(marker, mesh) for key, marker in markers.items()}
+        dcp.load({_SHARDED: shards}, storage_reader=reader)
+        _replace_markers(checkpoint, shards)
+
+
+#: The folder entry of the sharded tensors set apart from ``meta.pt``, and their markers' key there.
+_SHARDED = "sharded_state"
+_MARKER = "sharded_state_key"
+
+
+def _set_apart(value: Any, key: str, shards: dict[str, Any]) -> Any:
+    """``value`` with every DTensor in it (through dicts, lists and tuples) moved into ``shards`` under
+    a key of its path, and a marker left in its place; containers without one come back as they are."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if isinstance(value, DTensor):
+        mesh, (placement,) = value.device_mesh, value.placements
+        if mesh.ndim != 1 or not isinstance(placement, (Shard, Replicate)):
+            raise NotImplementedError(
+                f"saving {key}: only tensors sharded over one mesh dimension are supported"
+            )
+        shards[key] = value
+        dim = placement.dim if isinstance(placement, Shard) else None
+        return {_MARKER: key, "shape": list(value.shape), "dtype": str(value.dtype), "shard_dim": dim}
+    if isinstance(value, dict):
+        out = {k: _set_apart(v, f"{key}/{k}", shards) for k, v in value.items()}
+        return out if any(out[k] is not value[k] for k in value) else value
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        items = [_set_apart(v, f"{key}/{i}", shards) for i, v in enumerate(value)]
+        return type(value)(items) if any(a is not b for a, b in zip(items, value, strict=True)) else value
+    return value
+
+
+def _gathered(value: Any, rank: int) -> Any:
+    """``value`` with every DTensor in it whole on rank 0's host (for the file rank 0 writes; the other
+    ranks' copies are not written and keep their shards). A collective: every rank calls it."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        local, mesh = value.to_local(), value.device_mesh
+        if local.device.type != mesh.device_type:  # shards kept in host memory gather on the mesh's devices
+            kind = mesh.device_type
+            local = local.to(torch.device(kind, torch.get_device_module(kind).current_device()))
+            value = DTensor.from_local(
+                local, mesh, value.placements, shape=value.shape, stride=value.stride(), run_check=False
+            )
+        whole = value.full_tensor()
+        return whole.cpu() if rank == 0 else value
+    if isinstance(value, dict):
+        out = {k: _gathered(v, rank) for k, v in value.items()}
+        return out if any(out[k] is not value[k] for k in value) else value
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        items = [_gathered(v, rank) for v in value]
+        return type(value)(items) if any(a is not b for a, b in zip(items, value, strict=True)) else value
+    return value
+
+
+def _find_markers(value: Any, found: dict[str, dict[str, Any]]) -> None:
+    if isinstance(value, dict):
+        if isinstance(value.get(_MARKER), str):
+            found[value[_MARKER]] = value
+            return
+        for v in value.values():
+            _find_markers(v, found)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _find_markers(v, found)
+
+
+def _replace_markers(value: Any, shards: dict[str, Any]) -> Any:
+    """``value`` with every marker replaced by its tensor in ``shards``; dicts and lists in place."""
+    if isinstance(value, dict):
+        if isinstance(value.get(_MARKER), str):
+            return shards[value[_MARKER]]
+        for k, v in value.items():
+            value[k] = _replace_markers(v, shards)
+    elif isinstance(value, list):
+        value[:] = [_replace_markers(v, shards) for v in value]
+    elif isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return type(value)(_replace_markers(v, shards) for v in value)
+    return value
+
+
+def _empty_shards(marker: dict[str, Any], mesh: Any) -> Any:
+    """An empty DTensor on ``mesh`` laid out as ``marker`` says, its local shard in host memory (the
+    owner copies it where its own tensor lives): a target for ``torch.distributed.checkpoint.load``."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    shape = torch.Size(marker["shape"])
+    dtype = getattr(torch, marker["dtype"].removeprefix("torch."))
+    dim = marker["shard_dim"]
+    placement = Replicate() if dim is None else Shard(dim)
+    local_shape = shape
+    if dim is not None:
+        # DTensor's Shard cuts as torch.chunk does; ranks past the last chunk hold an empty shard.
+        chunks = torch.empty(shape, device="meta").chunk(mesh.size(), dim)
+        index = mesh.get_local_rank()
+        local_shape = chunks[index].shape if index < len(chunks) else (*shape[:dim], 0, *shape[dim + 1 :])
+    stride = torch.empty(shape, device="meta").stride()
+    local = torch.empty(local_shape, dtype=dtype)
+    return DTensor.from_local(local, mesh, [placement], shape=shape, stride=stride, run_check=False)
 
 
 def _by_name(optim_state: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:

@@ -29,10 +29,14 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
+from lit_flowgrpo.advantages import AdvantageSettings, DiversityBonus, KLGate
 from lit_flowgrpo.callbacks import RLThroughputMonitor, TrainableEMA
 from lit_flowgrpo.lora import ReferenceSettings
+from lit_flowgrpo.objective import DiffusionNFT
 from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies import SD3Policy
+from lit_flowgrpo.rewards import MultiReward
+from lit_flowgrpo.rewards.base import register_reward
 from lit_flowgrpo.strategies import (  # also registers "fsdp2"
     FSDP2Strategy,
     end_distributed_process,
@@ -42,6 +46,21 @@ from lit_flowgrpo.strategies import (  # also registers "fsdp2"
 
 def brightness(images, prompts, metadata):
     return images.mean(dim=(1, 2, 3))
+
+
+@register_reward("fsdp_worker_brightness")
+def _brightness_reward():
+    return brightness
+
+
+@register_reward("fsdp_worker_redness")
+def _redness_reward():
+    return lambda images, prompts, metadata: images[:, 0].mean(dim=(1, 2))
+
+
+# GARDO's controls (configs/hacking_gardo.yaml) on the tiny pipeline: trained on brightness, the KL
+# gated by how much more brightness than redness rates a sample (redness scored, weight 0).
+GARDO_REWARD = {"fsdp_worker_brightness": 1.0, "fsdp_worker_redness": 0.0}
 
 
 class RecordingModule(FlowGRPOModule):
@@ -98,16 +117,49 @@ class SaveInValidation(L.Callback):
 
 
 def build(config: dict[str, Any]) -> tuple[RecordingModule, PromptDataModule]:
+    """The module and data of ``config``; beside the defaults (Flow-GRPO, a LoRA, SGD), the stateful
+    parts a resume must bring back: ``objective: nft`` (DiffusionNFT's old policy), ``reference`` (a
+    moving KL reference), ``gardo`` (GARDO's gated KL and diversity bonus on a two-component reward),
+    ``optimizer: adamw`` (moments) and ``lr_decay`` (a scheduler whose rate moves each step)."""
     lora = config.get("lora", True)
     kl_coef = config.get("kl_coef", 0.0)
+    nft = config.get("objective") == "nft"
+    objective = DiffusionNFT(kl_coef=kl_coef) if nft else FlowGRPO(clip_range=1e-2, kl_coef=kl_coef)
+    lr = config.get("lr", 0.1)
+    if config.get("optimizer", "sgd") == "adamw":
+        optimizer = functools.partial(torch.optim.AdamW, lr=lr, weight_decay=1e-4)
+    else:
+        optimizer = functools.partial(torch.optim.SGD, lr=lr)
+    scheduler = None
+    if config.get("lr_decay"):
+        scheduler = functools.partial(torch.optim.lr_scheduler.ExponentialLR, gamma=config["lr_decay"])
+    advantage = AdvantageSettings()
+    reward: Any = brightness
+    if config.get("gardo"):
+        reward = MultiReward(GARDO_REWARD)
+        gate = KLGate(
+            proxy="fsdp_worker_brightness",
+            auxiliary=["fsdp_worker_redness"],
+            fraction=0.5,
+            fraction_range=(0.1, 0.9),
+        )
+        advantage = AdvantageSettings(kl_gate=gate, diversity_bonus=DiversityBonus(pool=4))
     module = RecordingModule(
         out=config["out"],
         policy=SD3Policy(config["pipeline"], dtype=config.get("dtype", "float32"), max_sequence_length=16),
-        reward=brightness,
-        objective=FlowGRPO(clip_range=1e-2, kl_coef=kl_coef),
+        reward=reward,
+        objective=objective,
         # One rollout chunk per rank's share of the batch: a single process then runs exactly the
-        # forwards the two ranks run.
-        sampler=Sampler(num_steps=3, eval_num_steps=2, height=32, width=32, batch_size=4),
+        # forwards the two ranks run. DiffusionNFT samples without CFG.
+        sampler=Sampler(
+            num_steps=3,
+            eval_num_steps=2,
+            height=32,
+            width=32,
+            batch_size=4,
+            **({"guidance_scale": 1.0} if nft else {}),
+        ),
+        advantage=advantage,
         update=UpdateSettings(
             micro_batch_size=config.get("micro_batch_size", 2),
             optimizer_steps_per_rollout=1,
@@ -115,9 +167,12 @@ def build(config: dict[str, Any]) -> tuple[RecordingModule, PromptDataModule]:
         ),
         lora=LoraSettings(rank=2, alpha=4) if lora else None,
         reference_copy=not lora and kl_coef > 0,
-        reference=ReferenceSettings(offload=config.get("offload_reference", False)),
+        reference=ReferenceSettings(
+            **config.get("reference", {}), offload=config.get("offload_reference", False)
+        ),
         master_dtype=config.get("master_dtype", "float32"),
-        optimizer=functools.partial(torch.optim.SGD, lr=config.get("lr", 0.1)),
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
         performance=PerformanceSettings(**config.get("performance", {})),
     )
     # Two validation prompts: one per rank on two ranks, one batch of two in one process.
@@ -175,10 +230,13 @@ def run(config: dict[str, Any]) -> None:
     averaged = ema.state_dict()["ema_state_dict"] if ema is not None else None
     if config.get("export"):
         module.export(str(out / "export"))
+    parts = stateful_parts(module, trainer) if config.get("parts") else None
     if trainer.global_rank == 0:
         torch.save({k: v.detach().cpu() for k, v in state.items()}, out / "trained.pt")
         if averaged is not None:
             torch.save(averaged, out / "ema.pt")
+        if parts is not None:
+            torch.save(parts, out / "parts.pt")
     if trainer.global_rank == 0:
         transformer = module.policy.transformer
         info = {
@@ -208,6 +266,41 @@ def run(config: dict[str, Any]) -> None:
                     for b in [*transformer_blocks(reference), reference]
                 )
         (out / "info.json").write_text(json.dumps(info))
+
+
+def _whole(value: Any) -> Any:
+    """``value`` with every tensor whole and on the host (a collective for a DTensor)."""
+    if isinstance(value, dict):
+        return {k: _whole(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_whole(v) for v in value)
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+
+
+def stateful_parts(module: RecordingModule, trainer: L.Trainer) -> dict[str, Any]:
+    """Every part of the run's state that a resume must bring back, whole (collectives: every rank
+    calls it): the copies beside the trained weights (DiffusionNFT's old policy, a moving KL
+    reference), the optimizer's and scheduler's state, the KL gate's controller, the module's counters,
+    the data position and the optimizer-step count."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    weights = module.weights
+    optimizer = trainer.optimizers[0]
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    gate = module.advantage.kl_gate
+    return {
+        "old_policy": _whole(weights.old_state_dict(module.policy)),
+        "reference": _whole(weights.reference_state_dict(module.policy)),
+        "optimizer": _whole(get_optimizer_state_dict(module, optimizer, options=options)),
+        "scheduler": _whole(trainer.lr_scheduler_configs[0].scheduler.state_dict()),
+        "kl_gate": None if gate is None else gate.state_dict(),
+        "counters": dict(module._counters),
+        "idle_rollouts": module._idle.count,
+        "data": trainer.datamodule.state_dict(),
+        "global_step": trainer.global_step,
+    }
 
 
 if __name__ == "__main__":

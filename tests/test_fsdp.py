@@ -286,6 +286,85 @@ def test_fsdp2_full_finetune_saves_resumes_and_exports(tiny_sd3_path, prompt_fil
         assert torch.equal(offline[key[len(prefix) :]], value), key
 
 
+def _assert_same(a, b, where: str = "") -> None:
+    """``a`` and ``b`` (nested dicts and lists of tensors and plain values) equal, tensors bit for bit."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(a, key=str) == sorted(b, key=str), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}/{i}")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, (where, a, b)
+
+
+# slow: four 2-process runs of DiffusionNFT, 2 + 2 + 4 + 2 rollouts (a few minutes on 2 shared cores).
+@pytest.mark.slow
+def test_fsdp2_resume_restores_every_stateful_part(tiny_sd3_path, prompt_file, tmp_path):
+    """A 2-process fsdp2 run resumed from its step-2 checkpoint is the uninterrupted run, bit for bit:
+    the rollouts, rewards, advantages and logged values of steps 2 and 3, the trained weights, and
+    every part with state (DiffusionNFT's old policy, the moving KL reference and its refresh
+    schedule, AdamW's moments, the decaying learning rate, GARDO's KL-gate controller, the trainable
+    EMA, the module's counters, the data position).
+
+    Two runs of each kind: a LoRA whose copies are stored adapter tensors (sharded like the adapter),
+    checkpointed as a folder of per-rank shards, with GARDO's gated KL and a reference refreshed every
+    2 optimizer steps (the checkpoint falls on a refresh, the resumed run refreshes again at step 4);
+    and a full fine-tune whose copies are whole sharded transformers, checkpointed as one file gathered
+    on rank 0 (``save_distributed_checkpoint=False``), with an EMA reference. The copies are not
+    replicated: a copy saved as rank 0's shard alone would give rank 1 rank 0's values on resume."""
+    base = dict(
+        pipeline=tiny_sd3_path, prompts=prompt_file, devices=2, objective="nft", kl_coef=0.1,
+        optimizer="adamw", lr=1e-3, lr_decay=0.8, max_grad_norm=1.0, parts=True,
+    )  # fmt: skip
+    runs = {
+        "lora": dict(base, strategy="fsdp2", gardo=True, reference=dict(mode="refreshed", refresh_every=2)),
+        "full": dict(
+            base,
+            strategy=dict(save_distributed_checkpoint=False),
+            lora=False,
+            reference=dict(mode="ema", ema_decay=0.5),
+            validate=False,
+        ),
+    }
+    straight = {
+        name: torchrun(dict(c, out=str(tmp_path / name), max_steps=4, save_every=1), tmp_path, name)
+        for name, c in runs.items()
+    }
+    for proc in straight.values():
+        finish(proc)
+    resumed = {}
+    for name, c in runs.items():
+        ckpt = tmp_path / name / "ckpt" / "epoch=0-step=2.ckpt"
+        assert ckpt.is_dir() == (name == "lora")  # a folder of shards, or one gathered file
+        config = dict(c, out=str(tmp_path / f"{name}_resumed"), max_steps=4, resume=str(ckpt))
+        resumed[name] = torchrun(config, tmp_path, f"{name}_resumed")
+    for proc in resumed.values():
+        finish(proc)
+
+    for name in runs:
+        a, b = tmp_path / name, tmp_path / f"{name}_resumed"
+        assert sorted(rows(b)) == [2, 3]  # the resumed run drew steps 2 and 3, not 0 again
+        for step in (2, 3):
+            assert rows(b)[step] == rows(a)[step], (name, step)
+            logged = {
+                k: v for k, v in metrics(a)[step].items() if k.startswith(("actor/", "critic/", "val-"))
+            }
+            assert logged and {k: metrics(b)[step].get(k) for k in logged} == logged, (name, step)
+        for file in ("trained.pt", "ema.pt", "parts.pt"):
+            _assert_same(torch.load(a / file), torch.load(b / file), f"{name}/{file}")
+        parts = torch.load(a / "parts.pt")
+        assert parts["old_policy"] and parts["reference"]["tensors"] and parts["optimizer"]["state"]
+        assert parts["global_step"] == 4 and parts["data"]["next_step"] == 4
+    lora = metrics(tmp_path / "lora")
+    assert [lora[s]["actor/reference_refreshes"] for s in range(4)] == [0, 1, 1, 2]
+    assert lora[3]["actor/kl_loss"] > 0  # the copies are used: the policy left its reference
+
+
 # slow: a sharded run and a single-process run of a bf16 full fine-tune (about a minute on 2 cores).
 @pytest.mark.slow
 def test_fsdp2_float32_masters_equal_single_process(tiny_sd3_path, prompt_file, tmp_path):
