@@ -76,3 +76,20 @@ def sum_rtol(terms: int, extra_ops: int = 0, dtype: torch.dtype = torch.float32)
     orders: each is within (⌈log₂ n⌉ + 1 + extra_ops)·eps of the exact sum when summed pairwise, as
     torch's reductions do; two of them within twice that."""
     return 2 * (math.ceil(math.log2(max(terms, 2))) + 1 + extra_ops) * eps(dtype)
+
+
+def sampling_layers(network_layers: int, steps: int, guidance: float = 1.0) -> int:
+    """Reducing layers on the path through a sampling loop of ``steps`` network forwards: each step's
+    output feeds the next, and classifier-free guidance, (1 − g)·v_uncond + g·v_cond, scales each
+    forward's rounding by |1 − g| + g."""
+    return math.ceil(steps * (abs(1 - guidance) + guidance) * network_layers)
+
+
+def image_mean_atol(
+    network_layers: int, decoder_layers: int, *, steps: int, guidance: float, pixels: int
+) -> float:
+    """How far two orders may put a reward that is the mean of a sampled image's ``pixels`` values in
+    [0, 1]: the sampling loop and the decoder, each reducing layer rounding by about eps of the
+    image's scale (1), then the mean itself summed in another order."""
+    layers = sampling_layers(network_layers, steps, guidance) + decoder_layers
+    return network_atol(layers, 1.0) + sum_rtol(pixels)
