@@ -13,6 +13,7 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 from peft import LoraConfig
+from tolerances import depth, network_atol, sampling_layers
 
 from lit_flowgrpo.policies.flux import FluxPolicy
 
@@ -77,9 +78,16 @@ def ours_and_pipelines(policy: FluxPolicy, pipe: FluxPipeline) -> dict[str, torc
 def test_noise_level_zero_sampling_reproduces_the_pipeline(policy: FluxPolicy, pipe: FluxPipeline) -> None:
     out = ours_and_pipelines(policy, pipe)
     torch.testing.assert_close(policy.sigmas(STEPS, SIZE, SIZE), pipe.scheduler.sigmas, atol=1e-7, rtol=0)
-    torch.testing.assert_close(out["ours_latents"], out["ref_latents"], atol=1e-5, rtol=0)
+    # Our Euler loop and the pipeline's scheduler: the same forwards on the same batch (bit-equal on
+    # AVX-512, AVX2 and the default kernels), but two codes that need not order each step's arithmetic
+    # alike. Along the loop: STEPS forwards and one Euler rounding per step; then the decoder (images
+    # in [0, 1]).
+    layers = sampling_layers(depth(pipe.transformer), STEPS) + STEPS
+    atol = network_atol(layers, float(out["ref_latents"].abs().max()))  # 188 layers: 9.4e-5
+    torch.testing.assert_close(out["ours_latents"], out["ref_latents"], atol=atol, rtol=0)
     assert out["ours_images"].shape == (2, 3, SIZE, SIZE) and out["ours_images"].dtype == torch.float32
-    torch.testing.assert_close(out["ours_images"], out["ref_images"], atol=1e-5, rtol=0)
+    atol = network_atol(layers + depth(pipe.vae.decoder), 1.0)
+    torch.testing.assert_close(out["ours_images"], out["ref_images"], atol=atol, rtol=0)
     # The comparison means something only if the images are not clamped flat and the prompts matter.
     assert ((out["ref_images"] > 0.01) & (out["ref_images"] < 0.99)).float().mean() > 0.9
     assert (out["ours_images"][0] - out["ours_images"][1]).abs().max() > 1e-3

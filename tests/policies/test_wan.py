@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler, WanPipeline
+from tolerances import depth, network_atol, sampling_layers
 
 from lit_flowgrpo.lora import LoraSettings, TrainableWeights
 from lit_flowgrpo.policies.base import latent_shape_of
@@ -80,11 +81,19 @@ def test_noise_level_zero_sampling_reproduces_the_pipeline(
     pipe.scheduler = _euler(pipe)
     size = 64 if variant == "ti2v" else SIZE
     out = _ours_and_pipelines(policy, pipe, cfg, size)
-    torch.testing.assert_close(out["ours_latents"], out["ref_latents"], atol=1e-5, rtol=0)
+    # Our CFG halves share one batch where the pipeline runs two: each forward's reductions may sum in
+    # another order. Along the loop: STEPS forwards of one expert each (the deeper, for A14B), each
+    # rounding amplified by the guidance, and one rounding per Euler step; then the decoder (videos in
+    # [0, 1]). Measured: 1.7e-6 (latents), 1.8e-7 (videos) on AVX-512, AVX2 and the default kernels.
+    experts = [pipe.transformer] + ([pipe.transformer_2] if pipe.transformer_2 is not None else [])
+    layers = sampling_layers(max(depth(e) for e in experts), STEPS, cfg) + STEPS
+    atol = network_atol(layers, float(out["ref_latents"].abs().max()))  # 2.1 at cfg 4.5: 7.2e-4
+    torch.testing.assert_close(out["ours_latents"], out["ref_latents"], atol=atol, rtol=0)
     assert (
         out["ours_videos"].shape == (2, FRAMES, 3, size, size) and out["ours_videos"].dtype == torch.float32
     )
-    torch.testing.assert_close(out["ours_videos"], out["ref_videos"], atol=1e-5, rtol=0)
+    atol = network_atol(layers + depth(pipe.vae.decoder), 1.0)
+    torch.testing.assert_close(out["ours_videos"], out["ref_videos"], atol=atol, rtol=0)
     assert (out["ours_videos"][0] - out["ours_videos"][1]).abs().max() > 1e-3
 
 
@@ -135,7 +144,10 @@ def test_the_two_experts_switch_at_the_boundary(tiny_wan_paths: dict) -> None:
     finally:
         for h in hooks:
             h.remove()
-    torch.testing.assert_close(mixed, alone, atol=1e-5, rtol=0)
+    # Rows of a batch of 3 (2 + 1 per expert, CFG doubling each) against batches of one: each forward's
+    # reductions may sum in another order, amplified by the guidance's |1 − 4| + 4 = 7.
+    layers = 7 * max(depth(high), depth(low))
+    torch.testing.assert_close(mixed, alone, atol=network_atol(layers, float(alone.abs().max())), rtol=0)
     # With one transformer there is no boundary.
     assert _load(tiny_wan_paths["2.1"]).boundary_timestep is None
 
