@@ -1,10 +1,12 @@
 """The update stage: its settings and the whole loop over one rollout batch.
 
-One rollout batch is walked ``num_inner_epochs`` times; each walk cuts the kept samples into
-micro-batches and makes the objective's visits to each (today: every trained step), with an optimizer
-step after each of ``optimizer_steps_per_rollout`` contiguous chunks of those (micro-batch, visit)
-pairs (Flow-GRPO's gradient accumulation, with each kept sample weighing alike in a step's loss,
-whatever its micro-batch and rank). The objective computes what one visit costs
+One rollout batch is walked ``num_inner_epochs`` times; each walk splits the samples into
+``optimizer_steps_per_rollout`` shares (:meth:`UpdateSettings.steps_of`, defined over the batch of all
+ranks, so that each optimizer step trains the same samples whatever the number of ranks), cuts each
+rank's kept samples of a share into micro-batches and makes the objective's visits to each (today:
+every trained step), with an optimizer step after each share (Flow-GRPO's gradient accumulation, with
+each kept sample weighing alike in a step's loss, whatever its micro-batch and rank; a step never falls
+between the visits of a sample). The objective computes what one visit costs
 (:meth:`~lit_flowgrpo.objective.Objective.visit`); the module hands the loop its backward, its
 optimizer step and its logging (:class:`UpdateHooks`), so Lightning's precision and DDP hooks stay
 in the path.
@@ -46,8 +48,12 @@ class UpdateSettings:
     Args:
         num_inner_epochs: passes over each rollout batch.
         micro_batch_size: samples per forward/backward in the update.
-        optimizer_steps_per_rollout: optimizer steps per inner epoch; gradients accumulate over the
-            (micro-batch, step) pairs in between (Flow-GRPO takes 2).
+        optimizer_steps_per_rollout: S, optimizer steps per inner epoch (Flow-GRPO takes 2). Each
+            trains a share of the rollout's samples, every visit (trained step) of each, gradients
+            accumulated over its micro-batches; which samples is defined over the batch of all ranks
+            (:meth:`steps_of`), so one process and N ranks take the same optimizer steps. S must divide
+            the samples each rank generates, and ``micro_batch_size`` the samples each rank trains per
+            step (checked at setup).
         train_cfg: apply CFG in the update too; off, the update scores the rollout (made with CFG)
             under the conditional model alone, which is off-policy by construction.
         max_grad_norm: gradient clipping norm (``None``: no clipping, still logged).
@@ -59,7 +65,7 @@ class UpdateSettings:
             Dropped samples (zero advantage under ``advantage.filter_zero``, or no finite reward)
             leave ranks uneven, and every rank runs as many micro-batch passes as the most loaded
             one. The moved samples' trained latents, log-probs and prompt conditioning travel by
-            all-gather. No effect on one rank.
+            all-gather, and each keeps its optimizer step (:meth:`steps_of`). No effect on one rank.
     """
 
     num_inner_epochs: int = 1
@@ -88,10 +94,20 @@ class UpdateSettings:
                 f"--data.init_args.prompts_per_step × --data.init_args.group_size ({samples_per_step}) must be a "
                 f"multiple of the number of data-parallel ranks ({ranks})"
             ]
-        if (samples_per_step // ranks) % self.micro_batch_size:
+        per_rank, steps = samples_per_step // ranks, self.optimizer_steps_per_rollout
+        if per_rank % steps:
+            # Each rank's rows must be whole blocks of `steps_of`, or one process and N ranks would
+            # group the samples into optimizer steps differently.
             return [
-                f"{flag('update')}.micro_batch_size ({self.micro_batch_size}) must divide the per-rank batch "
-                f"({samples_per_step} samples / {ranks} ranks = {samples_per_step // ranks}): change either"
+                f"{flag('update')}.optimizer_steps_per_rollout ({steps}) must divide the per-rank batch "
+                f"({samples_per_step} samples / {ranks} ranks = {per_rank}), so that each optimizer step "
+                "trains the same samples on any number of ranks: change either"
+            ]
+        if (per_rank // steps) % self.micro_batch_size:
+            return [
+                f"{flag('update')}.micro_batch_size ({self.micro_batch_size}) must divide the per-rank batch of "
+                f"each optimizer step ({samples_per_step} samples / {ranks} ranks / {steps} "
+                f"optimizer_steps_per_rollout = {per_rank // steps}): change either"
             ]
         return []
 
@@ -101,22 +117,27 @@ class UpdateSettings:
             return self.on_policy_tol
         return 1e-6 if fp32 else 1e-3
 
-    def chunks(self, num_micro: int, num_trained: int) -> list[list[tuple[int, int]]]:
-        """The (micro-batch, trained step) pairs of one inner epoch, in ``optimizer_steps_per_rollout``
-        contiguous chunks as equal as possible: an optimizer step after each."""
-        units = [(m, j) for m in range(num_micro) for j in range(num_trained)]
-        parts = max(1, min(self.optimizer_steps_per_rollout, len(units)))
-        size, extra = divmod(len(units), parts)
-        out, start = [], 0
-        for i in range(parts):
-            end = start + size + (1 if i < extra else 0)
-            out.append(units[start:end])
-            start = end
-        return [c for c in out if c]
+    def steps_of(self, num_samples: int, generator: torch.Generator) -> Tensor:
+        """(N,) int64: the optimizer step (0 … S − 1) of each of a rollout's N samples in one inner epoch.
 
-    def live_rows(self, kept: int, m: int) -> int:
-        """How many of micro-batch ``m``'s rows are real samples on a rank that keeps ``kept``."""
-        return max(0, min(self.micro_batch_size, kept - m * self.micro_batch_size))
+        The rule, over the batch of all ranks: a sample's place is its position in the rollout batch
+        of every rank, rank-major (rank 0's rows, then rank 1's, ...: the order in which
+        :class:`~lit_flowgrpo.data.GroupSampler` deals them, the same for any number of ranks). The
+        places are cut into blocks of S consecutive ones, and a permutation of the S steps drawn for
+        each block (from ``generator``, the same on every rank) sends one sample of the block to each
+        step. So each step trains N/S samples, the same ones whatever the number of ranks, different
+        ones in each inner epoch; and since every rank's rows are whole blocks (S divides the per-rank
+        batch: :meth:`batch_problems`), every rank trains N/(S·R) of them in each step, with no padding.
+        Each step trains every visit of its samples.
+
+        >>> steps = UpdateSettings(optimizer_steps_per_rollout=3).steps_of(6, torch.Generator().manual_seed(0))
+        >>> steps.view(2, 3)  # two blocks of 3 places: one sample of each to each step
+        tensor([[2, 0, 1],
+                [0, 1, 2]])
+        """
+        steps = self.optimizer_steps_per_rollout
+        blocks = math.ceil(num_samples / steps)
+        return torch.rand(blocks, steps, generator=generator).argsort(dim=1).flatten()[:num_samples]
 
     def micro_batch(self, order: Tensor, m: int, batch: int) -> tuple[Tensor, int]:
         """Indices of micro-batch ``m`` of ``order`` and how many are real: the first ``live``. The
@@ -195,22 +216,34 @@ def run_update(
     device = batch.advantages.device
     n_visits = len(objective.visits(batch))
     kept = batch.keep.nonzero().flatten()  # one host read per rollout; none inside the loops below
-    # Every rank runs the same number of backward passes (DDP all-reduces inside each), so the
-    # micro-batch count is the largest over ranks; a rank with fewer kept samples pads with
-    # zero-weight ones.
+    # Each row's place in the batch of all ranks (rank-major), which decides its optimizer steps.
+    places = dp.rank * len(batch) + torch.arange(len(batch), device=device)
+    steps = [
+        settings.steps_of(len(batch) * dp.size, generator).to(device)
+        for _ in range(settings.num_inner_epochs)
+    ]
+    # Every rank runs the same number of backward passes (DDP all-reduces inside each), so each
+    # optimizer step's micro-batch count is the largest over ranks; a rank with fewer of the step's
+    # samples pads with zero-weight rows.
     kept_per_rank = dp.gather(torch.tensor([float(len(kept))], device=device)).tolist()
     hooks.log(load_balance([n * n_visits for n in kept_per_rank]))
     if settings.balance_load and dp.size > 1:
-        batch, kept, kept_per_rank = _balance(
-            batch, kept, [int(n) for n in kept_per_rank], n_visits, dp, hooks
+        batch, kept, kept_per_rank, places = _balance(
+            batch, kept, [int(n) for n in kept_per_rank], places, n_visits, dp, hooks
         )
+    kept = kept[places[kept].argsort()]  # in place order (balancing appends the rows it received)
     result = UpdateResult(
         batch=batch, trained=batch.sample_ids[kept], kept_per_rank=[int(n) for n in kept_per_rank]
     )
     result.loss_sums = torch.zeros(4, device=device)
-    n_micro = math.ceil(max(kept_per_rank) / settings.micro_batch_size)
-    if not (n_micro and n_visits):
+    if not (kept_per_rank and max(kept_per_rank) and n_visits):
         return result
+    n_steps = settings.optimizer_steps_per_rollout
+    # (epochs, kept) the step of each kept row, and every rank's count of each (epoch, step): one
+    # gather and one host read per rollout.
+    step_of_kept = torch.stack([s[places[kept]] for s in steps])
+    counts = torch.stack([torch.bincount(row, minlength=n_steps).float() for row in step_of_kept])
+    per_rank = dp.gather(counts.flatten()).view(dp.size, -1).tolist()  # (R, epochs × S)
 
     @contextmanager
     def reference_timer() -> Iterator[None]:
@@ -222,45 +255,63 @@ def run_update(
     visits = list(objective.visits(batch))
     first = True
     for epoch in range(settings.num_inner_epochs):
-        order = kept[torch.randperm(len(kept), generator=generator).to(kept.device)]
-        # A seed per (rollout, inner epoch) that draws nothing from ``generator``, so the shuffles
+        # A seed per (rollout, inner epoch) that draws nothing from ``generator``, so the shares
         # stay as they were: objectives that draw per visit (DiffusionNFT) derive theirs from it.
         epoch_ctx = dataclasses.replace(ctx, seed=generator.initial_seed() * 1_009 + epoch)
-        for chunk in settings.chunks(n_micro, n_visits):
-            # An optimizer step's loss is the mean over every (sample, visit) its chunk trains, on
-            # every peer: a visit's loss (a mean over its live rows) weighs live / (the chunk's live
-            # rows on all peers), times the peers, whose gradients DDP and FSDP2 average. Weighing each
+        for step in range(n_steps):
+            counts_of_step = [int(row[epoch * n_steps + step]) for row in per_rank]
+            if not sum(counts_of_step):
+                continue  # every sample of this share was dropped: no step
+            rows = kept[step_of_kept[epoch] == step]
+            # An optimizer step's loss is the mean over every (sample, visit) it trains, on every
+            # peer: a visit's loss (a mean over its live rows) weighs live / (the step's samples on all
+            # peers × visits), times the peers, whose gradients DDP and FSDP2 average. Weighing each
             # micro-batch alike would give the samples of a short last micro-batch, and of a peer that
             # kept fewer, more weight than the rest.
-            chunk_rows = sum(settings.live_rows(n, m) for n in result.kept_per_rank for m, _ in chunk)
-            for m, v in chunk:
-                idx, live = settings.micro_batch(order, m, len(batch))
-                out = objective.visit(epoch_ctx, batch, idx, live, visits[v])
-                result.forwards["update"] += forwards_per_sample * len(idx)
-                result.forwards["ref"] += (
-                    forwards_per_sample * len(idx) if objective.uses_reference or ctx.measure_reference else 0
-                )
-                if first:
-                    _on_policy_check(out.on_policy_error, on_policy_tol, dp, hooks)
-                    first = False
-                # Accumulated on the device: no host read per (micro-batch, visit).
-                result.loss_sums += torch.stack(
-                    [out.loss.detach(), out.pg_loss.detach(), out.kl.detach(), (~out.loss.isfinite()).float()]
-                )
-                result.num_losses += 1
-                # × sp under sequence parallelism: the gradient reduction averages the sp partial
-                # gradients of each sample instead of summing them (DataParallel.gradient_scale).
-                hooks.backward(out.loss * (live * dp.size / chunk_rows) * dp.gradient_scale)
-                if out.diagnostics is not None:
-                    diagnostics.update(**out.diagnostics)
+            step_rows = sum(counts_of_step) * n_visits
+            for m in range(math.ceil(max(counts_of_step) / settings.micro_batch_size)):
+                idx, live = settings.micro_batch(rows, m, len(batch))
+                for v in visits:
+                    out = objective.visit(epoch_ctx, batch, idx, live, v)
+                    result.forwards["update"] += forwards_per_sample * len(idx)
+                    result.forwards["ref"] += (
+                        forwards_per_sample * len(idx)
+                        if objective.uses_reference or ctx.measure_reference
+                        else 0
+                    )
+                    if first:
+                        _on_policy_check(out.on_policy_error, on_policy_tol, dp, hooks)
+                        first = False
+                    # Accumulated on the device: no host read per (micro-batch, visit).
+                    result.loss_sums += torch.stack(
+                        [
+                            out.loss.detach(),
+                            out.pg_loss.detach(),
+                            out.kl.detach(),
+                            (~out.loss.isfinite()).float(),
+                        ]
+                    )
+                    result.num_losses += 1
+                    # × sp under sequence parallelism: the gradient reduction averages the sp partial
+                    # gradients of each sample instead of summing them (DataParallel.gradient_scale).
+                    hooks.backward(out.loss * (live * dp.size / step_rows) * dp.gradient_scale)
+                    if out.diagnostics is not None:
+                        diagnostics.update(**out.diagnostics)
             result.optimizer_steps += int(hooks.optimizer_step())
     return result
 
 
 def _balance(
-    batch: RolloutBatch, kept: Tensor, counts: list[int], n_visits: int, dp: DataParallel, hooks: UpdateHooks
-) -> tuple[RolloutBatch, Tensor, list[int]]:
-    """``balance_load``: move kept samples between ranks so each trains ⌊K/R⌋ or ⌈K/R⌉."""
+    batch: RolloutBatch,
+    kept: Tensor,
+    counts: list[int],
+    places: Tensor,
+    n_visits: int,
+    dp: DataParallel,
+    hooks: UpdateHooks,
+) -> tuple[RolloutBatch, Tensor, list[int], Tensor]:
+    """``balance_load``: move kept samples between ranks so each trains ⌊K/R⌋ or ⌈K/R⌉; each row's
+    place (its optimizer steps: :meth:`UpdateSettings.steps_of`) travels with it."""
     after = balanced_counts(counts)
     hooks.log(
         {
@@ -269,10 +320,15 @@ def _balance(
         }
     )
     if after == counts:
-        return batch, kept, counts
-    rows, n_kept = dp.balance(batch.rows(), kept, counts)
+        return batch, kept, counts, places
+    rows, n_kept = dp.balance({**batch.rows(), _PLACE: places}, kept, counts)
+    places = rows.pop(_PLACE)
     rows["keep"] = torch.arange(len(rows["keep"]), device=kept.device) < n_kept
-    return batch.with_rows(rows), torch.arange(n_kept, device=kept.device), after
+    return batch.with_rows(rows), torch.arange(n_kept, device=kept.device), after, places
+
+
+#: The rows' places, carried beside the batch's per-sample tensors when samples move between ranks.
+_PLACE = "update.place"
 
 
 def _on_policy_check(err: Tensor, tol: float, dp: DataParallel, hooks: UpdateHooks) -> None:

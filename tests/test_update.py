@@ -4,6 +4,7 @@ optimizer steps, padding rows, the on-policy check, the loss sums), no model and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
@@ -129,12 +130,15 @@ def test_chunks_scale_the_backward_and_step_after_each() -> None:
     objective = Counting(num_visits=1)
     batch = rollout(4, 1)
     done, rec = run(objective, batch, micro_batch_size=1, optimizer_steps_per_rollout=2)
-    # 4 micro-batches × 1 visit in 2 chunks of 2: each loss is divided by the chunk's length.
+    # 2 optimizer steps of 2 samples, each in 2 micro-batches of 1 × 1 visit: each loss is divided by
+    # the step's (sample, visit) pairs.
     expected = [float(batch.advantages[idx[0]]) / 2 for idx, _, _ in objective.seen]
     assert rec.backward == pytest.approx(expected)
     assert rec.steps == 2
     loss, _, _, nonfinite = done.loss_sums.tolist()
-    assert loss == pytest.approx(float(batch.advantages.sum())) and nonfinite == 0
+    # The 4 losses summed in another order than the advantages: (n − 1)·eps of the sum of magnitudes.
+    bound = 3 * torch.finfo(torch.float32).eps * float(batch.advantages.abs().sum())
+    assert loss == pytest.approx(float(batch.advantages.sum()), abs=bound) and nonfinite == 0
 
 
 @dataclass
@@ -189,8 +193,8 @@ def test_each_kept_sample_weighs_alike_whatever_its_micro_batch_and_peer() -> No
     g1 = _backward_sum(b, OtherPeer(rank=0, size=2, other_kept=5))
     everything = torch.cat([a.advantages, b.advantages])
     assert (g0 + g1) / 2 == pytest.approx(float(everything.mean()), rel=1e-6)
-    # Two optimizer steps: each chunk's loss is the mean over its own rows (micro-batch 0's 4 rows,
-    # then micro-batch 1's lone row), each step taken on its own.
+    # Two optimizer steps: each step's loss is the mean over its own rows (3 and 2 of the 5 samples,
+    # one micro-batch each), each step taken on its own.
     rec, objective = Recorder(), Mean(num_visits=1)
     ctx = VisitContext(policy=None, weights=None, guidance=1.0)  # type: ignore[arg-type]
     run_update(
@@ -198,7 +202,7 @@ def test_each_kept_sample_weighs_alike_whatever_its_micro_batch_and_peer() -> No
         rec.hooks(), rec, dp=DataParallel(), generator=torch.Generator().manual_seed(0),  # type: ignore[arg-type]
         on_policy_tol=1e-3, forwards_per_sample=1,
     )  # fmt: skip
-    assert [live for _, live, _ in objective.seen] == [4, 1] and rec.steps == 2
+    assert sorted(live for _, live, _ in objective.seen) == [2, 3] and rec.steps == 2
     expected = [float(a.advantages[idx[:live]].mean()) for idx, live, _ in objective.seen]
     assert rec.backward == pytest.approx(expected, rel=1e-6)
 
@@ -234,3 +238,122 @@ def test_on_policy_tolerance_is_resolved_by_its_settings() -> None:
     assert UpdateSettings().on_policy_tolerance(fp32=True) == 1e-6
     assert UpdateSettings().on_policy_tolerance(fp32=False) == 1e-3
     assert UpdateSettings(on_policy_tol=0.1).on_policy_tolerance(fp32=True) == 0.1
+
+
+# --------------------------------------------------------------------------------------------------
+# Optimizer steps are defined over the batch of all ranks: two peers take one process's steps
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ThreadPeer(DataParallel):
+    """One of ``size`` peers run as threads of this process: ``stack`` exchanges tensors through a
+    barrier, as an all-gather does (every collective of the loop goes through it)."""
+
+    exchange: Any = None
+
+    def stack(self, x: Tensor) -> Tensor:
+        slots, barrier = self.exchange
+        slots[self.rank] = x.clone()
+        barrier.wait()
+        out = torch.stack(list(slots))
+        barrier.wait()  # everyone has read before the next collective writes
+        return out
+
+    def mean(self, x: Tensor) -> Tensor:
+        return self.stack(x).mean(0)
+
+
+@dataclass
+class StepRecording(Mean):
+    """Records, per visit, (optimizer step so far, sample id, visit) of each live row."""
+
+    recorder: Any = None
+    trained: list[tuple[int, int, int]] = field(default_factory=list)
+    visit_steps: list[int] = field(default_factory=list)  # the optimizer step of each visit
+
+    def visit(self, ctx: VisitContext, batch: RolloutBatch, idx: Tensor, live: int, v: int) -> Visit:
+        ids = batch.sample_ids[idx[:live]].tolist()
+        self.trained += [(self.recorder.steps, int(i), v) for i in ids]
+        self.visit_steps.append(self.recorder.steps)
+        return super().visit(ctx, batch, idx, live, v)
+
+
+def _walk(
+    batch: RolloutBatch, dp: DataParallel, settings: UpdateSettings
+) -> tuple[list, list[float], Recorder]:
+    rec = Recorder()
+    objective = StepRecording(num_visits=3, recorder=rec)
+    ctx = VisitContext(policy=None, weights=None, guidance=1.0)  # type: ignore[arg-type]
+    run_update(
+        settings, objective, ctx, batch, rec.hooks(), rec, dp=dp,  # type: ignore[arg-type]
+        generator=torch.Generator().manual_seed(7), on_policy_tol=1e-3, forwards_per_sample=1,
+    )  # fmt: skip
+    # The gradient of each optimizer step's loss with respect to w: the backward values in between.
+    grads = [0.0] * rec.steps
+    for step, g in zip(objective.visit_steps, rec.backward, strict=True):
+        grads[step] += g
+    return objective.trained, grads, rec
+
+
+@pytest.mark.parametrize("balance_load", [False, True])
+def test_optimizer_steps_train_the_same_samples_on_one_process_and_two_peers(balance_load: bool) -> None:
+    """The shipped 2 optimizer steps per rollout: each step trains the same samples (every visit of
+    each), with the same gradient, whether one process holds the 8 samples or two peers hold 4 each
+    (rank-major: peer 0 the first 4). Splitting each rank's own micro-batches into the steps instead
+    put all 8 samples' first half of the visits in one step on two ranks, their micro-batches in one
+    process. Dropped samples leave the peers uneven (3 and 1 kept), with and without rebalancing."""
+    import threading
+
+    torch.manual_seed(0)
+    keep = [True, False, True, True, True, False, False, True]
+    whole = rollout(8, 3, keep)
+    settings = UpdateSettings(micro_batch_size=2, optimizer_steps_per_rollout=2, num_inner_epochs=2)
+    settings.balance_load = balance_load
+    one, one_grads, one_rec = _walk(whole, DataParallel(), settings)
+
+    halves = [whole.with_rows({k: v[i * 4 : (i + 1) * 4] for k, v in whole.rows().items()}) for i in (0, 1)]
+    exchange = ([None, None], threading.Barrier(2))
+    results: list[Any] = [None, None]
+
+    def peer(rank: int) -> None:
+        results[rank] = _walk(halves[rank], ThreadPeer(rank=rank, size=2, exchange=exchange), settings)
+
+    threads = [threading.Thread(target=peer, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(r is not None for r in results)
+    assert one_rec.steps == results[0][2].steps == results[1][2].steps == 4  # 2 steps × 2 inner epochs
+
+    def by_step(trained: list[tuple[int, int, int]]) -> dict[int, set[tuple[int, int]]]:
+        out: dict[int, set[tuple[int, int]]] = {}
+        for step, sample, visit in trained:
+            out.setdefault(step, set()).add((sample, visit))
+        return out
+
+    two = by_step(results[0][0] + results[1][0])
+    assert two == by_step(one)
+    kept_ids = {100 + i for i, k in enumerate(keep) if k}
+    for pairs in two.values():  # every visit of each sample in the step, no sample in two steps
+        samples = {s for s, _ in pairs}
+        assert pairs == {(s, v) for s in samples for v in range(3)}
+    for epoch in (0, 1):
+        assert set().union(*({s for s, _ in two[step]} for step in (2 * epoch, 2 * epoch + 1))) == kept_ids
+    # DDP averages the two peers' gradients: each step's is one process's (a mean over its pairs).
+    for step in range(4):
+        pair = (results[0][1][step] + results[1][1][step]) / 2
+        assert pair == pytest.approx(one_grads[step], rel=16 * torch.finfo(torch.float32).eps)
+
+
+def test_each_rank_must_hold_whole_optimizer_steps_of_whole_micro_batches() -> None:
+    """What cannot be split alike on any number of ranks is refused at setup, naming the flag."""
+    settings = UpdateSettings(micro_batch_size=4, optimizer_steps_per_rollout=2)
+    assert settings.batch_problems(16, 2) == []  # 8 a rank, 4 a step: one micro-batch
+    (problem,) = settings.batch_problems(8, 2)  # 4 a rank, 2 a step
+    assert problem.startswith("--model.init_args.update.micro_batch_size (4) must divide the per-rank batch")
+    assert "(8 samples / 2 ranks / 2 optimizer_steps_per_rollout = 2)" in problem
+    (problem,) = UpdateSettings(micro_batch_size=1, optimizer_steps_per_rollout=3).batch_problems(8, 2)
+    assert problem.startswith("--model.init_args.update.optimizer_steps_per_rollout (3) must divide")
+    assert "(8 samples / 2 ranks = 4)" in problem
