@@ -546,7 +546,7 @@ class FlowGRPOModule(L.LightningModule):
     def load_trainable_checkpoint(self, path: str, use_ema: bool = True) -> None:
         """Load a checkpoint's trainable weights (its EMA weights if present and ``use_ema``)."""
         self.configure_model()
-        self.load_state_dict(self.weights.read_checkpoint(path, self, use_ema=use_ema), strict=False)
+        self.weights.load_checkpoint(path, self, use_ema=use_ema)
 
     def export(self, path: str, overwrite: bool = False) -> str:
         """Write what was trained for the family's diffusers pipeline: the LoRA adapter

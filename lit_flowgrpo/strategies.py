@@ -66,6 +66,9 @@ __all__ = ["FSDP2Strategy", "reshard", "transformer_blocks"]
 
 _FLAG = "--trainer.strategy"
 
+#: The file of a checkpoint folder that holds everything but the tensors (Lightning's ``meta.pt``).
+METADATA_FILENAME = _METADATA_FILENAME
+
 
 def transformer_blocks(module: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a denoising network: the children of its top-level ``nn.ModuleList`` s.
@@ -609,22 +612,18 @@ def strategy_problems(trainer: Any, dm: Any, performance: Any, offload_reference
     return []
 
 
-def read_sharded_checkpoint(path: _PATH, module: nn.Module) -> dict[str, Any]:
-    """A ``--trainer.strategy=fsdp2`` checkpoint folder read whole into this process: its metadata,
-    with ``state_dict`` holding the trainable tensors of ``module`` it has (unsharded)."""
+def read_sharded_checkpoint(path: _PATH, targets: Mapping[str, torch.Tensor]) -> list[str]:
+    """Read the trainable tensors a ``--trainer.strategy=fsdp2`` checkpoint folder holds straight into
+    ``targets`` (whole tensors of this process, by parameter name), in place, in one process; returns
+    the names it read (those the folder holds)."""
     import torch.distributed.checkpoint as dcp
 
     reader = dcp.FileSystemReader(path)
     saved = set(reader.read_metadata().state_dict_metadata)
-    state = {
-        name: torch.empty_like(p, device="cpu")
-        for name, p in module.named_parameters()
-        if p.requires_grad and f"state_dict.{name}" in saved
-    }
-    dcp.load({"state_dict": state}, storage_reader=reader, no_dist=True)
-    ckpt = torch.load(Path(path) / _METADATA_FILENAME, map_location="cpu", weights_only=False)
-    ckpt["state_dict"] = state
-    return ckpt
+    found = {name: t for name, t in targets.items() if f"state_dict.{name}" in saved}
+    if found:
+        dcp.load({"state_dict": dict(found)}, storage_reader=reader, no_dist=True)
+    return list(found)
 
 
 def end_distributed_process(exit_code: int = 0) -> None:

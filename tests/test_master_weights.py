@@ -189,3 +189,59 @@ def test_the_bf16_reference_copy_computes_what_the_masters_compute_before_any_up
     assert {p.dtype for p in module.policy.transformer.parameters()} == {torch.float32}
     assert float(trainer.callback_metrics["actor/kl_loss"]) == 0.0
     assert float(trainer.callback_metrics["actor/on_policy_ratio_err"]) == 0.0
+
+
+@pytest.mark.parametrize("use_ema", [False, True])
+def test_an_export_reads_the_checkpoint_into_the_module_holding_the_masters_once(
+    tiny_sd3_path, tmp_path, monkeypatch, use_ema
+):
+    """``lit-flowgrpo export`` of a full fine-tune: the checkpoint's float32 masters are read into the
+    module's own tensors, not into a second whole copy beside them (a folder of shards straight into
+    the parameters, and the tensors the EMA replaces not at all; a file, and a folder's metadata,
+    memory-mapped), and the module ends with the checkpoint's values: the EMA's where asked.
+
+    The folder is the one a sharded run writes (``torch.distributed.checkpoint`` shards of the state
+    dict beside ``meta.pt``), written here by one process."""
+    import torch.distributed.checkpoint as dcp
+
+    source = make_module(tiny_sd3_path)
+    source.configure_model()
+    trainable = {n: p for n, p in source.named_parameters() if p.requires_grad}
+    torch.manual_seed(0)
+    raw = {n: (p.detach() + 1e-3 * torch.randn_like(p)).float() for n, p in trainable.items()}
+    ema = {n: (v + 1e-3 * torch.randn_like(v)) for n, v in raw.items()}
+    meta = {"callbacks": {"TrainableEMA": {"ema_state_dict": ema}}}
+    folder, file = tmp_path / "sharded.ckpt", tmp_path / "gathered.ckpt"
+    dcp.save({"state_dict": raw}, checkpoint_id=str(folder), no_dist=True)
+    torch.save(meta, folder / "meta.pt")
+    torch.save({"state_dict": raw, **meta}, file)
+    expected = ema if use_ema else raw
+
+    reads: list[dict[str, torch.Tensor]] = []
+    loads: list[dict[str, object]] = []
+    dcp_load, torch_load = dcp.load, torch.load
+    monkeypatch.setattr(
+        dcp, "load", lambda state, **kw: (reads.append(dict(state["state_dict"])), dcp_load(state, **kw))[1]
+    )
+
+    def spied_load(f, *args, **kwargs):
+        if isinstance(f, (str, Path)):  # the checkpoint's files (the shard reader loads from buffers)
+            loads.append(kwargs)
+        return torch_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spied_load)
+    for ckpt in (folder, file):
+        module = make_module(tiny_sd3_path)
+        reads.clear()
+        loads.clear()
+        module.load_trainable_checkpoint(str(ckpt), use_ema=use_ema)
+        params = {n: p for n, p in module.named_parameters() if p.requires_grad}
+        assert sorted(params) == sorted(expected)
+        for name, p in params.items():
+            assert p.dtype == torch.float32 and torch.equal(p.detach(), expected[name]), (ckpt.name, name)
+        assert loads and all(kw.get("mmap") for kw in loads)  # mapped, not read whole
+        if ckpt == folder:
+            read = reads[0] if reads else {}
+            # the shards went straight into the parameters; with the EMA, none was read at all
+            assert sorted(read) == ([] if use_ema else sorted(params))
+            assert all(t.data_ptr() == params[n].data_ptr() for n, t in read.items())
