@@ -1,6 +1,7 @@
 """``lit-flowgrpo``: LightningCLI over any LightningModule / LightningDataModule, plus ``export``.
 
-    lit-flowgrpo fit --config configs/quickstart.yaml
+    lit-flowgrpo fit --config quickstart                      # a shipped recipe, from any folder
+    lit-flowgrpo fit --config configs/quickstart.yaml         # the same file, from a clone's root
     lit-flowgrpo fit --config configs/tiny_sd3.yaml --ckpt_path last
     lit-flowgrpo validate --config configs/tiny_sd3.yaml --ckpt_path last
     lit-flowgrpo fit --config configs/tiny_sd3.yaml --print_config
@@ -14,26 +15,40 @@ module for the base model), and scale comes from the Trainer's own flags
 What this adds to LightningCLI (the checks run before any class is instantiated, so before any
 weight is read):
 
-- ``export`` as a subcommand like ``fit``: same config, same overrides, listed in ``--help``;
+- the recipes ship in the package (``lit_flowgrpo/configs``; a clone's ``configs/`` links there), and
+  ``--config NAME`` names one from any folder; a prompt file a config names relatively is read from
+  that config's folder (see :class:`lit_flowgrpo.data.PromptDataModule`);
+- ``fit``, ``validate`` (which needs held-out prompts) and ``export``: Lightning's ``test`` and
+  ``predict`` are not offered, since no module here has a test or predict step (a test set is
+  ``validate`` with ``--data.init_args.val``; images come from the exported weights' pipeline);
 - Lightning's automatic-optimization flags, which a manually optimized FlowGRPOModule cannot honour,
   are refused with the flag that does the job;
-- ``--ckpt_path`` must name an existing, complete checkpoint; ``last`` finds the run's newest
-  ``last*.ckpt`` (a ModelCheckpoint without ``dirpath`` is kept in
-  ``<trainer.default_root_dir>/checkpoints`` rather than in a new ``version_N`` folder per run, where
-  ``last`` would never find it: Lightning #18524);
+- ``--ckpt_path`` must name an existing checkpoint that torch reads without unpickling code, whole;
+  ``last`` finds the run's newest ``last*.ckpt`` and is refused when there is none (a ModelCheckpoint
+  without ``dirpath`` is kept in ``<trainer.default_root_dir>/checkpoints`` rather than in a new
+  ``version_N`` folder per run, where ``last`` would never find it: Lightning #18524);
 - a resumed run whose settings differ from the checkpoint's is refused, listing the differences,
-  unless ``--override_checkpoint_settings=true`` (then the command line's values apply);
+  unless ``--override_checkpoint_settings=true`` (then the command line's values apply), which cannot
+  change the settings that give the checkpoint's weights their shapes (the LoRA rank, targets, or LoRA
+  against a full fine-tune);
 - a constructor's own error is reported once, without jsonargparse's wrapping, and a ``SettingsError``
-  from any later check before the first rollout (``setup``, the strategy) as one message too;
+  from any later check before the first rollout (``setup``, the strategy) as one message too, by rank
+  zero only;
 - strategies FlowGRPOModule cannot run under are refused by name before Lightning's own checks;
 - a command line that does not parse is searched for known mistakes (``cli_diagnosis``), which are
   reported with the valid choices instead of jsonargparse's report;
-- the full resolved config goes to every logger and to ``config.yaml`` in the run's own log folder.
+- the full resolved config goes to every logger and to ``config.yaml`` in the run's own log folder,
+  with the files it names as absolute paths;
+- the start is quiet: the model summary counts parameters only (Lightning's "modules in eval mode"
+  and its FLOP count, 0 for a module whose forward is not the training computation, are left out:
+  ``RLThroughputMonitor`` measures FLOPs and MFU), and Lightning's advertisement for its cloud
+  logger is not shown.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import re
 import sys
@@ -45,7 +60,7 @@ from typing import Any
 import lightning as L
 import yaml
 from jsonargparse import Namespace
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
@@ -60,6 +75,12 @@ OPTIMIZER_FLAG = "--model.init_args.optimizer"
 LR_SCHEDULER_FLAG = "--model.init_args.lr_scheduler"
 
 OVERRIDE_FLAG = "override_checkpoint_settings"
+#: The recipes shipped with the package (package data, so a ``pip install`` has them); a clone's
+#: ``configs/`` is a link to this folder, so ``--config configs/quickstart.yaml`` reads the same files.
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+# Module settings that give the checkpoint's trainable tensors their names and shapes: a resumed run
+# cannot take other values, --override_checkpoint_settings or not (the weights would not load).
+_SHAPE_SETTINGS = {"rank": "the LoRA rank", "target_modules": "the layers LoRA adapts"}
 # `--ckpt_path` values Lightning resolves itself (checkpoint_connector); "last" is resolved here first.
 _SPECIAL_CKPT_PATHS = ("best", "hpc")
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -142,14 +163,86 @@ class LogRunConfig(SaveConfigCallback):
         self.parser.save(self.config, str(path), skip_unset=False, multifile=self.multifile)
 
 
+class ParameterSummary(ModelSummary):
+    """Lightning's model summary (the CLI's default one) without two of its lines that mislead here.
+
+    "Modules in eval mode: N" reads like a mistake, yet the frozen networks are in eval mode on purpose
+    (none may drop out); and "Total FLOPs: 0" sits beside the MFU that ``RLThroughputMonitor`` measures,
+    because Lightning counts FLOPs only from an example forward, which a policy-gradient step is not.
+    The table and the parameter counts are Lightning's, formatted here because Lightning's formatter
+    always adds both lines.
+    """
+
+    @staticmethod
+    def summarize(
+        summary_data: list[tuple[str, list[str]]],
+        total_parameters: int,
+        trainable_parameters: int,
+        model_size: float,
+        total_training_modes: dict[str, int],
+        total_flops: int,
+        **summarize_kwargs: Any,
+    ) -> None:
+        from lightning.pytorch.utilities.model_summary import (
+            get_formatted_model_size,
+            get_human_readable_count,
+        )
+
+        columns = [(name, values) for name, values in summary_data if name not in ("Mode", "FLOPs")]
+        widths = [max([len(name), *(len(str(v)) for v in values)]) for name, values in columns]
+        header = " | ".join(name.ljust(w) for (name, _), w in zip(columns, widths, strict=True))
+        rows = [
+            " | ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True))
+            for row in zip(*(v for _, v in columns), strict=True)
+        ]
+        rule = "-" * len(header)
+        totals = [
+            (get_human_readable_count(trainable_parameters), "Trainable params"),
+            (get_human_readable_count(total_parameters - trainable_parameters), "Non-trainable params"),
+            (get_human_readable_count(total_parameters), "Total params"),
+            (get_formatted_model_size(model_size), "Total estimated model params size (MB)"),
+        ]
+        lines = [header, rule, *rows, rule, *(f"{value:<10} {name}" for value, name in totals)]
+        rank_zero_info("\n" + "\n".join(lines))
+
+
+def _no_advertisement(record: logging.LogRecord) -> bool:
+    """Lightning's "💡 Tip" lines, at every start, advertise its cloud logger and model registry."""
+    return not str(record.msg).startswith("💡 Tip")
+
+
+class FlowGRPOArgumentParser(LightningArgumentParser):
+    """Lightning's parser, whose dumps (``--print_config``, the run's ``config.yaml``, what the loggers
+    get) name each file jsonargparse resolved (a prompt file named relative to its config file) by its
+    absolute path.
+
+    jsonargparse writes such a path back as it was given, relative to the config file it came from; a
+    printed or saved config lies elsewhere and would name other files. Done by hand because jsonargparse's
+    dump has no option for absolute paths.
+    """
+
+    def dump(self, cfg: Namespace, *args: Any, **kwargs: Any) -> str:
+        from jsonargparse import Path as ResolvedPath
+
+        cfg = cfg.clone()
+        for key, value in cfg.items():
+            if isinstance(value, ResolvedPath):
+                cfg[key] = os.path.realpath(value)
+        if "skip_none" in kwargs:  # Lightning still passes jsonargparse's old name (deprecated in 4.49)
+            kwargs["skip_unset"] = kwargs.pop("skip_none")
+        return super().dump(cfg, *args, **kwargs)
+
+
 class FlowGRPOCLI(LightningCLI):
     """LightningCLI with subclass mode for model and data, the ``export`` subcommand, and the checks above."""
 
     def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
+        logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_no_advertisement)
         super().__init__(
             L.LightningModule,
             L.LightningDataModule,
             save_config_callback=LogRunConfig,
+            parser_class=FlowGRPOArgumentParser,
             trainer_class=FlowGRPOTrainer,
             subclass_mode_model=True,
             subclass_mode_data=True,
@@ -159,7 +252,11 @@ class FlowGRPOCLI(LightningCLI):
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
-        return {**LightningCLI.subcommands(), "export": {"model", "datamodule"}}
+        # Lightning's `test` and `predict` are left out: no module here has a test or predict step, so
+        # they could only fail after loading the weights. Validation on a test set is `validate` with
+        # --data.init_args.val; images come from the exported weights in the family's pipeline.
+        lightning = LightningCLI.subcommands()
+        return {"fit": lightning["fit"], "validate": lightning["validate"], "export": {"model", "datamodule"}}
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
@@ -177,7 +274,7 @@ class FlowGRPOCLI(LightningCLI):
         if isinstance(args, (dict, Namespace)):
             self.config = parser.parse_object(args)
         else:
-            self.config = _parse_args(parser, args)
+            self.config = _parse_args(parser, _named_configs(sys.argv[1:] if args is None else args))
         subcommand = self.config.get("subcommand")
         if subcommand:
             self._check_before_instantiation(subcommand, self.config[subcommand])
@@ -194,6 +291,8 @@ class FlowGRPOCLI(LightningCLI):
             problems += (_strategy_problems(cfg) if flowgrpo else []) + _callback_problems(cfg)
         if subcommand == "export":
             problems += _export_problems(cfg, flowgrpo)
+        if subcommand == "validate":
+            problems += _validate_problems(cfg, model_class)
         _pin_checkpoint_dirs(cfg)
         if cfg.get("ckpt_path"):
             try:
@@ -214,6 +313,7 @@ class FlowGRPOCLI(LightningCLI):
         super()._parse_ckpt_path()
         self._parse_folder_hyperparameters(subcommand)
         settings = _differences(given[subcommand].get("model"), self.config[subcommand].get("model"))
+        shapes = _shape_differences(given[subcommand].get("model"), self.config[subcommand].get("model"))
         self.config = given
         cfg = given[subcommand]
         if subcommand != "export":  # export reads a folder itself, in one process
@@ -226,6 +326,12 @@ class FlowGRPOCLI(LightningCLI):
             + [f"{key}: command line {new!r}, checkpoint {old!r}" for key, new, old in optimizer]
         )
         opted_in = bool(cfg.get(OVERRIDE_FLAG))
+        if opted_in and shapes:
+            raise SettingsError(
+                f"--{OVERRIDE_FLAG} cannot change {shapes[0]}, which sets which weights the checkpoint holds "
+                "and their shapes, so they would not load: resume with the checkpoint's value, or start a "
+                "new run without --ckpt_path"
+            )
         if optimizer or not opted_in:
             why = ""
             if settings and not opted_in:
@@ -283,6 +389,18 @@ class FlowGRPOCLI(LightningCLI):
             # Export reads a checkpoint and writes files: it needs none of the run's devices, so a run
             # trained on GPUs exports on any machine.
             kwargs = {"accelerator": "cpu", "devices": 1, "num_nodes": 1, "strategy": "auto", **kwargs}
+        else:
+            trainer = self.config_init.get(f"{self.subcommand}.trainer") if self.subcommand else None
+            callbacks = list((trainer.get("callbacks") if trainer else None) or [])
+            # Ours in place of Lightning's default summary; its own switched off, since Lightning would
+            # otherwise note on every start that a summary callback is already configured.
+            summary = trainer.get("enable_model_summary") if trainer else None
+            if summary is not False and not any(isinstance(c, ModelSummary) for c in callbacks):
+                kwargs = {
+                    "callbacks": [*callbacks, ParameterSummary()],
+                    "enable_model_summary": False,
+                    **kwargs,
+                }
         return super().instantiate_trainer(**kwargs)
 
     def before_instantiate_classes(self) -> None:
@@ -403,6 +521,27 @@ def _export_problems(cfg: Namespace, flowgrpo: bool) -> list[str]:
     return problems
 
 
+def _validate_problems(cfg: Namespace, model_class: Any) -> list[str]:
+    """``validate`` with nothing to validate would load the weights, run no batch and exit 0 without a
+    metric: refused first."""
+    if isinstance(model_class, type) and model_class.validation_step is L.LightningModule.validation_step:
+        return [f"validate: {model_class.__name__} has no validation step: nothing to validate"]
+    from lit_flowgrpo.data import PromptDataModule
+
+    data = cfg.get("data")
+    data_class = _import(data.class_path) if isinstance(data, Namespace) and data.get("class_path") else None
+    if (
+        isinstance(data_class, type)
+        and issubclass(data_class, PromptDataModule)
+        and not data.init_args.get("val")
+    ):
+        return [
+            "validate: --data.init_args.val is null, so there is nothing to validate on: give held-out "
+            "prompts (a .txt or .jsonl file), e.g. --data.init_args.val=prompts.txt"
+        ]
+    return []
+
+
 def _out_problems(out: str, overwrite: bool) -> list[str]:
     from lit_flowgrpo.export import destination_problems
 
@@ -435,6 +574,53 @@ def _parse_args(parser: LightningArgumentParser, args: Sequence[str] | None) -> 
     finally:
         for each in parsers:
             each.exit_on_error = True
+
+
+def shipped_configs() -> list[str]:
+    """The names of the recipes shipped with the package, for ``--config NAME``."""
+    return sorted(path.stem for path in CONFIG_DIR.glob("*.yaml"))
+
+
+def _named_configs(words: Sequence[str]) -> list[str]:
+    """``words`` with each ``--config NAME`` (``-c NAME``, ``--config=NAME``) of a shipped recipe replaced
+    by its file, ``lit_flowgrpo/configs/NAME.yaml``.
+
+    Written here because jsonargparse reads a ``--config`` value as a path or a YAML string and has no
+    search path: this is what lets ``lit-flowgrpo fit --config quickstart`` run from any folder after a
+    ``pip install``. A value that is a file is left alone (a config of the user's own wins), and so is
+    anything else jsonargparse reads (a path it reports missing, an inline YAML mapping).
+    """
+    out = list(words)
+    for i, word in enumerate(out):
+        flag, eq, value = word.partition("=")
+        if flag not in ("-c", "--config") or (flag == "-c" and eq):
+            continue
+        if eq:
+            out[i] = f"{flag}={_config_path(value)}"
+        elif i + 1 < len(out):
+            out[i + 1] = _config_path(out[i + 1])
+    return out
+
+
+def _config_path(value: str) -> str:
+    if not value or os.path.exists(value) or value.lstrip().startswith(("{", "[")) or "\n" in value:
+        return value
+    stem = value.removesuffix(".yaml")
+    shipped = shipped_configs()
+    if os.sep not in value and "/" not in value:
+        if stem in shipped:
+            return str(CONFIG_DIR / f"{stem}.yaml")
+        raise SettingsError(
+            f"--config ({value}) is neither a file nor a shipped recipe: give a config file, or one of "
+            f"{', '.join(shipped)}"
+        )
+    name = Path(value).stem
+    if name in shipped:  # the README's `configs/X.yaml` typed outside a clone: say the form that works
+        raise SettingsError(
+            f"--config ({value}) does not exist in {os.getcwd()}: the recipe of that name ships with the "
+            f"package, --config {name} reads it from any folder"
+        )
+    return value
 
 
 def _with_subcommand_parsers(parser: Any) -> list[Any]:
@@ -492,9 +678,13 @@ def _resolve_ckpt_path(ckpt_path: str, cfg: Namespace) -> str:
             )
         found = _last_checkpoints(dirs)
         if not found:
-            # Lightning's meaning of `last` with nothing saved yet: start from scratch (so one command
-            # both starts and resumes a preemptible job); it warns that no checkpoint was loaded.
-            return "last"
+            # Lightning would start from scratch with a warning that suggests save_last, which is set:
+            # a resume that trains a new run instead is refused (a first launch has no --ckpt_path).
+            raise SettingsError(
+                f"--ckpt_path last: no last*.ckpt in {' or '.join(dirs)}, so there is no earlier run to "
+                "resume there: drop --ckpt_path to start a new run, or set --trainer.default_root_dir to "
+                "the run folder you mean to resume"
+            )
         ckpt_path = max(found, key=os.path.getmtime)
     path = Path(ckpt_path)
     if not path.exists():
@@ -520,7 +710,7 @@ def _last_checkpoints(dirs: list[str]) -> list[str]:
     return found
 
 
-def _check_complete(path: Path) -> None:
+def _check_complete(path: Path, *, holds_weights: bool = True) -> None:
     """A torch checkpoint is a zip archive whose central directory is written last: reading it is
     cheap and fails on a file cut short, where ``torch.load`` would only say ``OSError: [Errno 22]``.
     A sharded checkpoint is a folder: see :func:`_check_complete_folder`."""
@@ -534,15 +724,52 @@ def _check_complete(path: Path) -> None:
     with open(path, "rb") as f:
         magic = f.read(len(_ZIP_MAGIC))
     if magic != _ZIP_MAGIC:
-        return  # torch's legacy (non-zip) format: torch.load judges it
+        # torch.save has written zip archives since torch 1.6, and Lightning always does; anything else
+        # would reach torch.load, whose refusal suggests loading the file unsafely.
+        raise SettingsError(
+            f"--ckpt_path ({path}) is not a checkpoint (a checkpoint is a zip archive written by torch.save; "
+            "this file is not one): give a checkpoint written by `fit`, or `last`"
+        )
     try:
-        with zipfile.ZipFile(path):
-            pass
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
     except zipfile.BadZipFile:
         raise SettingsError(
             f"--ckpt_path ({path}) is truncated or corrupt (its zip directory is unreadable): the save was "
             "probably interrupted; use an earlier checkpoint"
         ) from None
+    if not any(name.endswith("/data.pkl") for name in names):
+        raise SettingsError(
+            f"--ckpt_path ({path}) is a zip archive but not a torch checkpoint (it has no data.pkl): give a "
+            "checkpoint written by `fit`, or `last`"
+        )
+    _check_loadable(path, holds_weights)
+
+
+def _check_loadable(path: Path, holds_weights: bool) -> None:
+    """A checkpoint that torch reads with ``weights_only=True``, as Lightning will, and that holds a
+    Lightning state dict (``holds_weights``; a sharded folder's ``meta.pt`` holds the rest). Memory-mapped:
+    only the small pickled structure is read here."""
+    import pickle
+
+    import torch
+
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as err:
+        # torch's own message for a refused object suggests weights_only=False, i.e. running the pickled
+        # code of a file of unknown origin: not a fix to offer.
+        reason = str(err).strip().splitlines()[-1] if "Weights only load failed" not in str(err) else ""
+        raise SettingsError(
+            f"--ckpt_path ({path}) cannot be read as a checkpoint"
+            + (f" ({reason})" if reason else " (it holds objects other than tensors and plain data)")
+            + ": give a checkpoint written by `fit`, or `last`"
+        ) from None
+    if not isinstance(checkpoint, dict) or (holds_weights and "state_dict" not in checkpoint):
+        raise SettingsError(
+            f"--ckpt_path ({path}) is a torch file but not a Lightning checkpoint (no state_dict): give a "
+            "checkpoint written by `fit`, or `last`"
+        )
 
 
 # torch.distributed.checkpoint's index of a sharded checkpoint folder (which entry is in which file).
@@ -564,7 +791,7 @@ def _check_complete_folder(path: Path) -> None:
             f"--ckpt_path ({path}) is a folder without {_METADATA_FILENAME} (the run's state besides the "
             f"weights), so not a complete sharded checkpoint: {fix}"
         )
-    _check_complete(meta)
+    _check_complete(meta, holds_weights=False)
     if not (path / _DCP_INDEX).is_file():
         raise SettingsError(
             f"--ckpt_path ({path}) has no {_DCP_INDEX} (the index of its weight shards): the save was "
@@ -623,6 +850,27 @@ def _differences(given: Any, overlaid: Any) -> list[tuple[str, Any, Any]]:
         (key, before.get(key), after.get(key))
         for key in sorted(set(before) | set(after))
         if before.get(key) != after.get(key)
+    ]
+
+
+def _shape_differences(given: Any, saved: Any) -> list[str]:
+    """The shape-defining module settings (LoRA or not, its rank, its targets) in which the command line
+    differs from the checkpoint, each said as ``flag (command line X, checkpoint Y)``."""
+    if not isinstance(given, Namespace) or not isinstance(saved, Namespace):
+        return []
+    new, old = given.get("init_args.lora"), saved.get("init_args.lora")
+    if (new is None) != (old is None):
+
+        def kind(lora: Any) -> str:
+            return "null, a full fine-tune" if lora is None else "a LoRA adapter"
+
+        return [f"--model.init_args.lora (command line {kind(new)}, checkpoint {kind(old)})"]
+    if new is None:
+        return []
+    return [
+        f"--model.init_args.lora.{key} (command line {new.get(key)!r}, checkpoint {old.get(key)!r}): {what}"
+        for key, what in _SHAPE_SETTINGS.items()
+        if new.get(key) != old.get(key)
     ]
 
 
@@ -731,7 +979,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         FlowGRPOCLI(args=words)
     except SettingsError as err:
-        print(f"lit-flowgrpo: error: {err}", file=sys.stderr)
+        # Every rank of a multi-process run raises the same check's error: the first process of each
+        # machine (local rank 0, Lightning's launcher or torchrun's or SLURM's) reports it for all.
+        if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
+            print(f"lit-flowgrpo: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     from lit_flowgrpo.strategies import end_distributed_process
 

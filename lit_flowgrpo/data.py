@@ -21,6 +21,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from jsonargparse.typing import Path_fr
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
@@ -296,7 +297,9 @@ class PromptDataModule(L.LightningDataModule):
 
     Args:
         train: training prompts, ``.txt`` (one per line) or ``.jsonl`` (``prompt`` plus metadata for
-            the reward, e.g. GenEval specs).
+            the reward, e.g. GenEval specs). A relative path in a config file is read from that file's
+            folder if the file is there (jsonargparse's ``Path_fr``), else from the working folder, as
+            on the command line: a recipe names its prompts wherever it is installed.
         val: held-out prompts in the same formats; ``None`` for no validation.
         prompts_per_step: M, distinct prompts per rollout batch (all ranks together).
         group_size: K, samples per prompt; GRPO needs at least 2.
@@ -312,8 +315,8 @@ class PromptDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        train: str,
-        val: str | None = None,
+        train: Path_fr | str,
+        val: Path_fr | str | None = None,
         prompts_per_step: int = 8,
         group_size: int = 8,
         val_seeds: int = 1,
@@ -323,6 +326,7 @@ class PromptDataModule(L.LightningDataModule):
         same_initial_noise: bool = False,
     ) -> None:
         super().__init__()
+        train, val = os.fspath(train), None if val is None else os.fspath(val)
         problems = []
         if group_size < 2:
             problems.append(

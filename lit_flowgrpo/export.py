@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -48,8 +49,14 @@ def destination_problems(
         parent = parent.parent
     if not parent.is_dir():
         return [f"{path_name} ({path}) cannot be created: {parent} is a file, not a folder"]
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return [f"{path_name} ({path}) cannot be written: {parent} is not writable"]
+    # Tried, not judged from the permission bits: os.access answers yes to root on a read-only folder,
+    # and to anyone on a filesystem that takes no new entries (/proc); the probe is removed at once.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{target.name}.probe-", dir=parent))
+    except OSError as err:
+        return [
+            f"{path_name} ({path}) cannot be written: a folder cannot be created in {parent} ({err.strerror})"
+        ]
     return []
 
 

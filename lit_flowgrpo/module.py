@@ -525,9 +525,23 @@ class FlowGRPOModule(L.LightningModule):
         expected = self._trainable_keys()
         missing = expected - set(checkpoint["state_dict"])
         if expected and missing:
-            raise ValueError(
+            raise SettingsError(
                 f"the checkpoint lacks {len(missing)} trainable tensors (e.g. {sorted(missing)[:3]}): it was "
                 "written with other LoRA settings or another policy; resume with the run's own config"
+            )
+        # Checked here, before Lightning's load_state_dict, which would list every tensor of another shape.
+        saved = checkpoint["state_dict"]
+        other = sorted(
+            (name, tuple(saved[name].shape), tuple(p.shape))
+            for name, p in self.named_parameters()
+            if name in expected and torch.is_tensor(saved[name]) and saved[name].shape != p.shape
+        )
+        if other:
+            name, was, now = other[0]
+            raise SettingsError(
+                f"the checkpoint's trainable tensors have other shapes than this run's ({len(other)} of "
+                f"{len(expected)}, e.g. {name}: checkpoint {list(was)}, this run {list(now)}): it was written "
+                f"with another {flag('lora')}.rank or another policy; resume with the run's own config"
             )
         ours = checkpoint.get("lit_flowgrpo", {})
         self._counters.update(ours.get("counters", {}))

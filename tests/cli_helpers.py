@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "configs" / "tiny_sd3.yaml"
-PROMPTS = REPO / "configs" / "data" / "tiny_prompts.txt"
+CONFIGS = REPO / "lit_flowgrpo" / "configs"  # the shipped recipes (a clone's configs/ links here)
+TINY = CONFIGS / "tiny_sd3.yaml"
+PROMPTS = CONFIGS / "data" / "tiny_prompts.txt"
+
+
+def load_shipped(name: str) -> dict[str, Any]:
+    """A shipped recipe as a dict, with the prompt files it names relative to its own folder made
+    absolute, so that a changed copy written elsewhere reads the same files."""
+    config = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text(encoding="utf-8"))
+    data = config["data"]["init_args"]
+    for key in ("train", "val"):
+        if isinstance(data.get(key), str) and (CONFIGS / data[key]).is_file():
+            data[key] = str((CONFIGS / data[key]).resolve())
+    return config
 
 
 def tiny_fit_args(pretrained: str, root: Path, *extra: str) -> list[str]:

@@ -109,6 +109,27 @@ def test_unreachable_remote_reward_is_one_message(run) -> None:
     assert "--model.init_args.reward.init_args.config.vlm_judge.base_url" in err and "unreachable" in err
 
 
+@pytest.mark.slow
+def test_an_error_every_rank_raises_is_printed_once(tiny_sd3_path: str, tmp_path: Path) -> None:
+    """Two DDP processes on the CPU: both raise the same setup check (9 samples a step do not split
+    over 2 ranks), and the one line is printed once, by the first process of the machine."""
+    import subprocess
+    import sys
+
+    from cli_helpers import tiny_fit_args
+
+    words = tiny_fit_args(tiny_sd3_path, tmp_path / "run", "--trainer.strategy=ddp", "--trainer.devices=2")
+    words += ["--data.init_args.prompts_per_step=3", "--data.init_args.group_size=3"]
+    done = subprocess.run(
+        [sys.executable, "-m", "lit_flowgrpo.cli", *words], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "All distributed processes registered. Starting with 2 processes" in done.stdout + done.stderr
+    message = "--data.init_args.prompts_per_step × --data.init_args.group_size (9) must be a multiple"
+    assert (done.stdout + done.stderr).count(message) == 1, done.stderr[-3000:]
+    assert done.stderr.count("lit-flowgrpo: error:") == 1
+
+
 def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch, run) -> None:
     """Only our own refusals become one line: anything else raised in setup is a bug to see whole."""
     from lit_flowgrpo.module import FlowGRPOModule

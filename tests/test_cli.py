@@ -65,11 +65,25 @@ def _main_error(argv: list[str], capfd: pytest.CaptureFixture[str]) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def test_help_lists_export(capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_lists_the_subcommands_that_work(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     assert exit_info.value.code == 0
-    assert "export" in capsys.readouterr().out
+    # Lightning's test and predict need a step no module here has: not offered, rather than failing
+    # with a traceback after the weights load.
+    assert "{fit,validate,export}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("subcommand", ["test", "predict"])
+def test_test_and_predict_are_refused_as_unknown_subcommands(
+    subcommand: str, tiny_sd3_path: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    args = [subcommand, *_fit_args(tiny_sd3_path, tmp_path)[1:]]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capfd.readouterr().err
+    assert f"invalid choice: '{subcommand}'" in err and "Traceback" not in err
 
 
 def _lora_key(key: str) -> str:
@@ -203,9 +217,113 @@ def test_setting_changed_on_resume_is_refused_or_applied(
     assert f"{lr}: command line 0.001, checkpoint 0.0003" in text
 
 
+def test_override_cannot_change_the_lora_rank(
+    lora_run: dict[str, Any],
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The rank gives the checkpoint's tensors their shapes: refused before the model is built, even
+    opted in, instead of Lightning's size mismatch, one line per tensor, after the weights load."""
+    _forbid_instantiation(monkeypatch)
+    ckpt = lora_run["ckpt"]
+    args = _fit_args(lora_run["pretrained"], tmp_path, f"--ckpt_path={ckpt}", "--model.init_args.lora.rank=8")
+    text = _main_error([*args, "--override_checkpoint_settings=true"], capfd)
+    assert text.startswith("lit-flowgrpo: error: --override_checkpoint_settings cannot change ")
+    assert "--model.init_args.lora.rank (command line 8, checkpoint 4)" in text
+    assert len(text.strip().splitlines()) == 1 and "size mismatch" not in text
+    # LoRA against a full fine-tune: other tensors altogether.
+    args = _fit_args(lora_run["pretrained"], tmp_path, f"--ckpt_path={ckpt}", "--model.init_args.lora=null")
+    text = _main_error([*args, "--override_checkpoint_settings=true"], capfd)
+    assert (
+        "--override_checkpoint_settings cannot change --model.init_args.lora (command line null, a full "
+        "fine-tune, checkpoint a LoRA adapter)" in text
+    )
+
+
+def test_a_checkpoint_of_other_shapes_is_refused_before_it_loads(lora_run: dict[str, Any]) -> None:
+    """The module's own check, for what the command line cannot see (another policy, a rank that the
+    policy's default fills in): one message, before Lightning's load_state_dict lists every tensor."""
+    cli = FlowGRPOCLI(
+        args=_fit_args(lora_run["pretrained"], lora_run["root"], "--model.init_args.lora.rank=8")[1:],
+        run=False,
+    )
+    cli.model.configure_model()
+    checkpoint = torch.load(lora_run["ckpt"], map_location="cpu", weights_only=True)
+    with pytest.raises(
+        SettingsError,
+        match=r"other shapes than this run's \(30 of 30, e\.g\. .*lora_A.*checkpoint \[4, 32\], this run \[8, 32\]\)",
+    ):
+        cli.model.on_load_checkpoint(checkpoint)
+
+
 # --------------------------------------------------------------------------------------------------
 # Refused before anything is instantiated, with one short message
 # --------------------------------------------------------------------------------------------------
+
+
+def test_ckpt_path_last_without_an_earlier_run_is_refused(
+    tiny_sd3_path: str, tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning would train a new run from scratch, with a hint to set save_last (which is set)."""
+    _forbid_instantiation(monkeypatch)
+    text = _main_error(_fit_args(tiny_sd3_path, tmp_path, "--ckpt_path=last"), capfd)
+    assert f"--ckpt_path last: no last*.ckpt in {tmp_path / 'checkpoints'}" in text
+    assert "drop --ckpt_path to start a new run" in text and "save_last" not in text
+
+
+def _unpicklable_state() -> dict[str, Any]:
+    return {"state_dict": {}, "callback": Path("anything")}  # a class torch's safe loader refuses
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        ("random", "is not a checkpoint (a checkpoint is a zip archive"),
+        ("zip", "is a zip archive but not a torch checkpoint"),
+        ("code", "cannot be read as a checkpoint (it holds objects other than tensors and plain data)"),
+        ("tensor", "is a torch file but not a Lightning checkpoint (no state_dict)"),
+    ],
+)
+def test_a_file_that_is_no_checkpoint_is_refused_in_one_line(
+    content: str,
+    says: str,
+    tiny_sd3_path: str,
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not torch's weights_only traceback, which suggests loading the file unsafely."""
+    import zipfile
+
+    path = tmp_path / "bad.ckpt"
+    if content == "random":
+        path.write_bytes(bytes(range(256)) * 16)  # as good as random: neither a zip nor a pickle
+    elif content == "zip":
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr("notes.txt", "not a checkpoint")
+    elif content == "code":
+        torch.save(_unpicklable_state(), path)
+    else:
+        torch.save(torch.zeros(3), path)
+    _forbid_instantiation(monkeypatch)
+    text = _main_error(_fit_args(tiny_sd3_path, tmp_path, f"--ckpt_path={path}"), capfd)
+    assert f"--ckpt_path ({path}) {says}" in text
+    assert len(text.strip().splitlines()) == 1
+    assert "weights_only" not in text and "Traceback" not in text
+
+
+def test_validate_without_held_out_prompts_is_refused(
+    tiny_sd3_path: str, tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It would load the weights, run no batch and exit 0 without printing a metric."""
+    _forbid_instantiation(monkeypatch)
+    args = ["validate", *_fit_args(tiny_sd3_path, tmp_path, "--data.init_args.val=null")[1:]]
+    text = _main_error(args, capfd)
+    assert "validate: --data.init_args.val is null, so there is nothing to validate on" in text
+    # A module without a validation step (the toy pretraining) has nothing to validate either.
+    text = _main_error(["validate", "--config", str(TINY.parent / "toy_pretrain.yaml")], capfd)
+    assert "validate: ToyPretrainModule has no validation step: nothing to validate" in text
 
 
 def test_automatic_optimization_flags_name_the_module_flags(
@@ -383,6 +501,36 @@ def test_plain_run_has_no_noise_of_ours(lora_run: dict[str, Any]) -> None:
     assert "`IterableDataset` has `__len__` defined" not in caught
     assert "args parameter is intended to run from within Python" not in caught
     assert "module(s) in eval mode" not in caught  # the frozen parts are in eval mode on purpose
+
+
+def test_a_start_shows_no_misleading_summary_lines_nor_advertisement(lora_run: dict[str, Any]) -> None:
+    """The model summary keeps the parameter counts, without "Modules in eval mode" (on purpose here) and
+    a FLOP count of 0 (Lightning counts none without an example forward) beside our MFU; Lightning's
+    tip advertising its cloud logger is not shown."""
+    import logging
+
+    from lightning.pytorch.callbacks import ModelSummary
+
+    from lit_flowgrpo.cli import ParameterSummary
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # where rank_zero_info writes
+    logger.addHandler(handler)
+    try:
+        args = _fit_args(lora_run["pretrained"], lora_run["root"], "--trainer.enable_model_summary=true")
+        cli = FlowGRPOCLI(args=args[1:], run=False)  # builds the Trainer, where the tip is written
+        summaries = [c for c in cli.trainer.callbacks if isinstance(c, ModelSummary)]
+        assert [type(c) for c in summaries] == [ParameterSummary]
+        summaries[0].on_fit_start(cli.trainer, cli.model)
+    finally:
+        logger.removeHandler(handler)
+    text = "\n".join(records)
+    assert "Trainable params" in text and "policy" in text
+    assert "eval mode" not in text and "FLOPs" not in text and "Flops" not in text
+    assert "Tip" not in text and "litlogger" not in text
+    assert "already configured with model summary" not in text
 
 
 def test_clip_range_from_yaml_reaches_its_one_owner(tiny_sd3_path: str, tmp_path: Path, capfd) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,8 @@ import yaml
 from lit_flowgrpo.cli import FlowGRPOCLI
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG_DIR = REPO / "configs"
+# The recipes ship in the package; a clone's configs/ is a link to this folder (checked below).
+CONFIG_DIR = REPO / "lit_flowgrpo" / "configs"
 SHIPPED = sorted(CONFIG_DIR.glob("*.yaml"))
 
 
@@ -236,6 +238,10 @@ def _get(tree: Any, keys: tuple) -> Any:
 def test_every_recipe_is_shipped() -> None:
     names = {p.stem for p in SHIPPED}
     assert set(PUBLISHED) <= names, f"missing recipes: {sorted(set(PUBLISHED) - names)}"
+    # The clone's configs/ is the package's folder, so the README's `--config configs/X.yaml` reads the
+    # files this module checks, and nothing is kept in two places.
+    assert (REPO / "configs").resolve() == CONFIG_DIR.resolve()
+    assert sorted((REPO / "configs").glob("*.yaml")) == [REPO / "configs" / p.name for p in SHIPPED]
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
@@ -248,10 +254,93 @@ def test_parses_through_the_cli(path: Path, capsys: pytest.CaptureFixture[str]) 
     raw = _load(path)
     for keys, value in _leaves(raw):
         got = _get(resolved, keys)
-        if isinstance(value, float) or isinstance(got, float):
+        if keys[0] == "data" and isinstance(value, str) and (path.parent / value).is_file():
+            # A prompt file named relative to the recipe's folder, printed as the absolute path of
+            # that file (wherever the command runs: this test runs from the clone's root).
+            assert got == os.path.realpath(path.parent / value), keys
+        elif isinstance(value, float) or isinstance(got, float):
             assert got == pytest.approx(value, rel=1e-12), keys
         else:
             assert got == value, keys
+
+
+# --------------------------------------------------------------------------------------------------
+# The recipes run from any folder: named by --config NAME, their prompt files found from their folder
+# --------------------------------------------------------------------------------------------------
+
+
+def _printed_data(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    with pytest.raises(SystemExit) as exit_info:
+        FlowGRPOCLI(args=[*args, "--print_config"])
+    assert exit_info.value.code == 0
+    return yaml.safe_load(capsys.readouterr().out)["data"]["init_args"]
+
+
+def test_a_shipped_recipe_is_named_from_any_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a user of a pip install types, from a folder of theirs: the recipe and the prompt files it
+    names (relative to its own folder) are the package's; the printed config names them absolutely,
+    so that it can be saved anywhere and read back."""
+    monkeypatch.chdir(tmp_path)
+    assets = REPO / "lit_flowgrpo" / "toy" / "assets"
+    for name in ("quickstart", "quickstart.yaml"):
+        data = _printed_data(["fit", "--config", name], capsys)
+        assert data["train"] == os.path.realpath(assets / "train.jsonl")
+        assert data["val"] == os.path.realpath(assets / "val.jsonl")
+    data = _printed_data(["fit", "--config=tiny_sd3"], capsys)
+    assert data["train"] == os.path.realpath(CONFIG_DIR / "data" / "tiny_prompts.txt")
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        (
+            "quickstrat",
+            "--config (quickstrat) is neither a file nor a shipped recipe: give a config file, or one of ",
+        ),
+        (
+            "configs/quickstart.yaml",
+            "--config (configs/quickstart.yaml) does not exist in {cwd}: the recipe of that name ships with the "
+            "package, --config quickstart reads it from any folder",
+        ),
+    ],
+)
+def test_a_config_that_is_neither_a_file_nor_a_recipe_is_one_message(
+    given: str, says: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lit_flowgrpo.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", given])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lit-flowgrpo: error: " + says.format(cwd=tmp_path)), err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_prompt_files_of_a_config_of_ones_own(
+    tiny_sd3_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A relative path in a config file is read from the file's folder when the file is there, else from
+    the working folder (as before, and as a path on the command line is)."""
+    recipe, work = tmp_path / "recipe", tmp_path / "work"
+    recipe.mkdir()
+    work.mkdir()
+    (recipe / "mine.txt").write_text("a red square\na blue circle\n")
+    (work / "theirs.txt").write_text("a green triangle\na red circle\n")
+    cfg = _load(CONFIG_DIR / "tiny_sd3.yaml")
+    cfg["data"]["init_args"].update(train="mine.txt", val="theirs.txt")
+    cfg["model"]["init_args"]["policy"]["init_args"]["pretrained"] = tiny_sd3_path
+    (recipe / "run.yaml").write_text(yaml.safe_dump(cfg))
+    monkeypatch.chdir(work)
+    data = _printed_data(["fit", "--config", str(recipe / "run.yaml")], capsys)
+    assert data["train"] == os.path.realpath(recipe / "mine.txt")
+    assert data["val"] == os.path.realpath(work / "theirs.txt")  # not beside the config: the working folder's
+    cli = FlowGRPOCLI(args=["--config", str(recipe / "run.yaml")], run=False)
+    assert [r["prompt"] for r in cli.datamodule.train_records] == ["a red square", "a blue circle"]
+    assert [r["prompt"] for r in cli.datamodule.val_records] == ["a green triangle", "a red circle"]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 import yaml
-from cli_helpers import tiny_fit_args
+from cli_helpers import load_shipped, tiny_fit_args
 
 from lit_flowgrpo.cli import FlowGRPOCLI
 
@@ -81,7 +81,7 @@ def _gdpo_reference(components: list[list[float]], weights: list[float], ids: li
 def test_gdpo_on_the_shapes_world(tmp_path: Path) -> None:
     """Two rollouts of 2 prompts x 4 samples (a few seconds each on 2 cores): every advantage the module
     trained with is the re-derivation's on the components its images score."""
-    cfg = yaml.safe_load((REPO / "configs" / "quickstart.yaml").read_text())
+    cfg = load_shipped("quickstart")
     trainer = cfg["trainer"]
     trainer.update(max_steps=2, default_root_dir=str(tmp_path), num_sanity_val_steps=0, limit_val_batches=0)
     trainer["logger"]["init_args"]["save_dir"] = str(tmp_path)

@@ -109,6 +109,19 @@ def test_out_under_a_file_is_refused(
     assert "Traceback" not in err
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_out_where_no_folder_can_be_created_is_refused(
+    lora_run: dict[str, Path], capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/proc takes no new folder, whoever asks, though its permission bits let root write: found by
+    trying, before the checkpoint is read, instead of a traceback naming the staging folder after it."""
+    _forbid_instantiation(monkeypatch)
+    out = Path("/proc/lit-flowgrpo-export")
+    err = _refused(lora_run, out, capfd)
+    assert f"--out ({out}) cannot be written: a folder cannot be created in /proc (" in err
+    assert ".partial" not in err and ".probe" not in err and "Traceback" not in err
+
+
 def test_out_holding_an_earlier_export_needs_overwrite(
     lora_run: dict[str, Path],
     tmp_path: Path,

@@ -166,11 +166,11 @@ def test_settings_round_trip():
 def test_quickstart_nft_runs_shortened(tmp_path):
     """configs/quickstart_nft.yaml through the CLI on the shapes world: one short rollout and update."""
     import yaml
-    from test_configs import CONFIG_DIR
+    from cli_helpers import load_shipped
 
     from lit_flowgrpo.cli import FlowGRPOCLI
 
-    cfg = yaml.safe_load((CONFIG_DIR / "quickstart_nft.yaml").read_text())
+    cfg = load_shipped("quickstart_nft")
     trainer = cfg["trainer"]
     trainer.update(max_steps=1, default_root_dir=str(tmp_path), num_sanity_val_steps=0, limit_val_batches=1)
     trainer["logger"]["init_args"]["save_dir"] = str(tmp_path)
