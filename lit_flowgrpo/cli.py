@@ -32,8 +32,8 @@ weight is read):
   change the settings that give the checkpoint's weights their shapes (the LoRA rank, targets, or LoRA
   against a full fine-tune);
 - a constructor's own error is reported once, without jsonargparse's wrapping, and a ``SettingsError``
-  from any later check before the first rollout (``setup``, the strategy) as one message too, by rank
-  zero only;
+  from any later check before the first rollout (``setup``, the strategy) as one message too, printed
+  once per machine (by its first process) however many ranks raise it;
 - strategies FlowGRPOModule cannot run under are refused by name before Lightning's own checks;
 - a command line that does not parse is searched for known mistakes (``cli_diagnosis``), which are
   reported with the valid choices instead of jsonargparse's report;
