@@ -268,6 +268,9 @@ class TrainableWeights:
                 self._frozen = copy.deepcopy(transformer).requires_grad_(False).eval()
             if self.old_policy:
                 self._old_network = copy.deepcopy(transformer).requires_grad_(False).eval()
+            if self.master_dtype is not None:
+                for network in self.copies:
+                    _cast_elementwise(network, self.master_dtype)
             if cast and self.master_dtype is not None:
                 from diffusers.training_utils import cast_training_params
 
@@ -686,6 +689,25 @@ def _unsharded_copy(module: nn.Module, state: dict[str, torch.Tensor]) -> nn.Mod
         copy_ = type(module).from_config(module.config)
     copy_.load_state_dict(state, strict=True, assign=True)
     return copy_
+
+
+def _cast_elementwise(network: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the parameters of ``network`` that no matrix product uses (norm scales, modulation tables:
+    everything but the weights and biases of linear and convolution layers) to ``dtype``, in place.
+
+    For a frozen copy beside float32 master weights: autocast rounds the masters' matrix weights to the
+    copy's dtype (the values the copy holds, before any update), but a norm's scale multiplies outside
+    autocast, in its own dtype; held in the masters' dtype, the copy's multiplies as the masters' do,
+    so before any update the two compute the same velocity, bit for bit (a first-step KL of exactly 0).
+    They are a small share of the weights (vectors, next to matrices).
+    """
+    matrix = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+    for module in network.modules():
+        if isinstance(module, matrix):
+            continue
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
 
 
 def _most_common_dtype(module: nn.Module) -> torch.dtype:

@@ -225,6 +225,10 @@ class FlowGRPOModule(L.LightningModule):
         shape = self.policy.attention_shape(self.sampler.height, self.sampler.width)
         device = self._trainer.strategy.root_device if self._trainer is not None else self.device
         dtypes = dict(model_dtype=weights.model_dtype, master_dtype=weights.master_dtype)
+        # The inputs in the compute dtype: the masters and their copies see the same tensors.
+        self.policy.compute_dtype = self.performance.resolved_dtype(
+            self.policy.transformer, weights.model_dtype
+        )
         for network in self.policy.trainable_networks:
             self.performance.apply(network, shape, device, **dtypes)
         for network in weights.copies:

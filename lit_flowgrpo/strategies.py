@@ -24,14 +24,14 @@ sharded, each block cast as it is sharded (no rank holds a whole float32 copy), 
 gets ``MixedPrecisionPolicy(param_dtype=<compute dtype>, reduce_dtype=float32)``: the all-gathers move
 bf16, as much as before, and the gradients are reduced and accumulated in float32 into the float32
 shards that the optimizer steps. The root unit (embedders, final norm and projection, about 1% of the
-weights) gathers in float32: the policies cast their inputs to ``transformer.dtype``, which diffusers
-reads off the first parameter, a root one; gathered in bf16, it would read bf16 whenever the root is
-left gathered after a forward (``reshard_after_forward=false``) and float32 otherwise, so FLUX's
-timestep would round differently from one forward to the next. The blocks' matrix products compute
-what one GPU's autocast computes from the same master weights (autocast rounds them to bf16 the same
-way); a parameter used outside a matrix product (an RMSNorm scale) is multiplied in bf16 here and in
-float32 under one GPU's autocast, a rounding apart. Frozen copies (the KL reference, the old policy)
-are sharded in the policy's dtype, without a policy.
+weights) gathers in float32, as one GPU holds it: ``transformer.dtype``, which diffusers reads off the
+first parameter (a root one), then reads float32 whether or not the root is left gathered after a
+forward (``reshard_after_forward=false``). The blocks' matrix products compute what one GPU's autocast
+computes from the same master weights (autocast rounds them to bf16 the same way); a block's parameter
+used outside a matrix product (an RMSNorm scale) is multiplied in bf16 here and in float32 under one
+GPU's autocast, a rounding apart. Frozen copies (the KL reference, the old policy) hold the policy's
+dtype in their matrix weights and the masters' in the rest (``lora.py``), and are sharded under the
+masters' policies, so that before any update they compute what the masters compute, here as on one GPU.
 
 Checkpoints hold the trainable parameters only (the frozen base is re-read from ``pretrained``, as on one
 GPU): a folder with one shard file per rank by default (``torch.distributed.checkpoint``), or one file
@@ -547,14 +547,17 @@ def shard_networks(
     """Shard each network under an :class:`FSDP2Strategy`; nothing under any other strategy. The
     module's ``configure_model`` hands over every network it holds: the ``trained`` ones (cast to
     ``master_dtype``, computing in ``compute_dtype``) and the frozen ``copies`` (a reference copy,
-    DiffusionNFT's old policy), of which those in ``offloaded`` keep their shards in host memory."""
+    DiffusionNFT's old policy), of which those in ``offloaded`` keep their shards in host memory. The
+    copies gather as the trained networks do (their blocks in ``compute_dtype``), so that they compute
+    alike; a frozen copy has no parameter to cast."""
     strategy = sharding(trainer)
     if strategy is None:
         return
+    dtypes = dict(master_dtype=master_dtype, compute_dtype=compute_dtype)
     for network in trained:
-        strategy.shard(network, master_dtype=master_dtype, compute_dtype=compute_dtype)
+        strategy.shard(network, **dtypes)
     for network in copies:
-        strategy.shard(network, offload=any(network is o for o in offloaded))
+        strategy.shard(network, offload=any(network is o for o in offloaded), **dtypes)
 
 
 def strategy_problems(trainer: Any, dm: Any, performance: Any, offload_reference: bool = False) -> list[str]:

@@ -261,6 +261,9 @@ def run(config: dict[str, Any]) -> None:
             reference = module.weights.reference_network
             if reference is not None:
                 info["reference_dtypes"] = sorted({str(p.dtype) for p in reference.parameters()})
+                info["reference_gather_dtype"] = str(
+                    group(transformer_blocks(reference)[0]).mp_policy.param_dtype
+                )
                 info["reference_offloaded"] = all(
                     isinstance(group(b).offload_policy, CPUOffloadPolicy)
                     for b in [*transformer_blocks(reference), reference]

@@ -401,6 +401,9 @@ def test_fsdp2_float32_masters_equal_single_process(tiny_sd3_path, prompt_file, 
     assert info["param_dtypes"] == ["torch.float32"]
     assert info["gather_dtype"] == "torch.bfloat16" and info["root_gather_dtype"] == "None"
     assert info["reference_dtypes"] == ["torch.bfloat16"] and info["reference_offloaded"] is False
+    assert info["reference_gather_dtype"] == "torch.bfloat16"  # its blocks gather as the masters' do
+    # The first update's KL, at the initial weights, where the reference computes what the masters do.
+    assert metrics(tmp_path / "fsdp")[0]["actor/kl_loss"] == 0.0
     assert metrics(tmp_path / "fsdp")[1]["actor/kl_loss"] > 0  # the policy left its reference
 
 

@@ -241,6 +241,24 @@ class FlowPolicy(nn.Module, ABC):
     #: ``"image"``: :meth:`decode` returns (B, 3, H, W) and :meth:`latent_shape` takes (height, width);
     #: ``"video"``: (B, F, 3, H, W), and :meth:`latent_shape` takes (height, width, frames) too.
     modality: Modality = "image"
+    #: The dtype the transformer's matrix products run in, set by whoever sets that up
+    #: (``FlowGRPOModule.configure_model``, from ``performance.compute_dtype``); ``None``: each network's
+    #: own dtype. :meth:`input_dtype` feeds the inputs in it.
+    compute_dtype: torch.dtype | None = None
+
+    def input_dtype(self, network: nn.Module) -> torch.dtype:
+        """The dtype ``network``'s inputs (latents, timestep, conditioning) are fed in: the compute dtype
+        where it is a reduced precision, else the network's own dtype.
+
+        A full fine-tune's float32 master weights compute in the model's dtype under autocast, beside
+        frozen copies (the KL reference, the old policy) that hold that dtype: fed each network's own
+        dtype, the masters would see float32 inputs and the copies bf16 ones, and an input that meets an
+        operation autocast leaves alone (FLUX's timestep scaled by 1000, Qwen-Image's RMS norm of the
+        prompt) would round differently in the two, so the first update's KL to the reference would not
+        be exactly 0. In the compute dtype every network sees the same tensors, as the family's pipeline
+        feeds its model (the timestep in the model's dtype)."""
+        dtype = self.compute_dtype
+        return network.dtype if dtype is None or dtype == torch.float32 else dtype
 
     @property
     def trainable_networks(self) -> tuple[nn.Module, ...]:

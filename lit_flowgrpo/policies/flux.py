@@ -91,7 +91,7 @@ class FluxPolicy(PackedLatentPolicy):
         """
         batch, rows, cols = self._check_packed(latents)
         transformer = self.transformer
-        dtype = transformer.dtype
+        dtype = self.input_dtype(transformer)
         device = latents.device
         prompt_embeds = embeds["prompt_embeds"].to(device, dtype)  # (B, L, D)
         img_ids = self.pipe._prepare_latent_image_ids(batch, rows, cols, device, dtype)  # (seq, 3)

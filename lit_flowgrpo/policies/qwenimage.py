@@ -135,7 +135,7 @@ class QwenImagePolicy(PackedLatentPolicy):
         """
         batch, rows, cols = self._check_packed(latents)
         transformer = self.transformer
-        dtype = transformer.dtype
+        dtype = self.input_dtype(transformer)
         device = latents.device
         cfg = guidance_scale > 1.0
         prompt_embeds, mask = embeds["prompt_embeds"], embeds["prompt_embeds_mask"]

@@ -123,7 +123,7 @@ class SD3Policy(FlowPolicy):
         return {k: v.expand(batch, *v.shape[1:]) for k, v in neg.items()}
 
     def velocity(self, latents: Tensor, sigma: Tensor, embeds: Embeds, guidance_scale: float) -> Tensor:
-        dtype = self.transformer.dtype
+        dtype = self.input_dtype(self.transformer)
         cfg = guidance_scale > 1.0
         batch = latents.shape[0]
         prompt_embeds, pooled = embeds["prompt_embeds"], embeds["pooled_prompt_embeds"]

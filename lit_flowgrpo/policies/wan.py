@@ -352,7 +352,7 @@ class WanPolicy(FlowPolicy):
         prompt_embeds: Tensor,
         guidance_scale: float,
     ) -> Tensor:
-        dtype = network.dtype
+        dtype = self.input_dtype(network)
         batch = latents.shape[0]
         cfg = guidance_scale > 1.0
         x, t, cond = latents, timestep, prompt_embeds
