@@ -365,6 +365,37 @@ def test_fsdp2_resume_restores_every_stateful_part(tiny_sd3_path, prompt_file, t
     assert lora[3]["actor/kl_loss"] > 0  # the copies are used: the policy left its reference
 
 
+def one_process(config: dict, tmp: Path, name: str) -> None:
+    """``fsdp_worker`` in a process of its own (the run opens a process group)."""
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(config))
+    proc = subprocess.run([sys.executable, WORKER, str(path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+
+
+# slow: two one-process fsdp2 runs of DiffusionNFT (about 30 s on 2 shared cores).
+@pytest.mark.slow
+def test_fsdp2_units_left_gathered_compute_with_the_copies_swapped_in(tiny_sd3_path, prompt_file, tmp_path):
+    """DiffusionNFT's old policy and a moving (EMA) KL reference are swapped into the adapter's shards
+    for their forwards. With ``reshard_after_forward=false`` a unit stays gathered after a forward
+    without gradient, and its next forward uses the gathered weights: a swap written to the shards then
+    went unseen (the old-policy forward computed with the trained weights, the next trained forward with
+    the old policy's). On one rank the gather is a copy, so both modes compute the same numbers: the
+    trained weights, the old policy and the reference after 3 rollouts are bit-equal."""
+    base = dict(
+        pipeline=tiny_sd3_path, prompts=prompt_file, devices=1, objective="nft", kl_coef=0.1,
+        reference=dict(mode="ema", ema_decay=0.5), max_steps=3, validate=False, ema=False, parts=True,
+    )  # fmt: skip
+    for name, strategy in (("resharded", {}), ("gathered", {"reshard_after_forward": False})):
+        one_process(dict(base, out=str(tmp_path / name), strategy=strategy), tmp_path, name)
+    a, b = tmp_path / "resharded", tmp_path / "gathered"
+    _assert_same(torch.load(a / "trained.pt"), torch.load(b / "trained.pt"), "trained")
+    parts_a, parts_b = torch.load(a / "parts.pt"), torch.load(b / "parts.pt")
+    for part in ("old_policy", "reference"):
+        _assert_same(parts_a[part], parts_b[part], part)
+    assert metrics(a)[2]["actor/kl_loss"] > 0  # the copies moved away from the trained weights
+
+
 # slow: a sharded run and a single-process run of a bf16 full fine-tune (about a minute on 2 cores).
 @pytest.mark.slow
 def test_fsdp2_float32_masters_equal_single_process(tiny_sd3_path, prompt_file, tmp_path):
