@@ -47,13 +47,14 @@ class UpdateSettings:
 
     Args:
         num_inner_epochs: passes over each rollout batch.
-        micro_batch_size: samples per forward/backward in the update.
+        micro_batch_size: samples per forward/backward in the update, at most: where a rank trains
+            fewer in an optimizer step (``optimizer_steps_per_rollout`` splits its batch), that many.
         optimizer_steps_per_rollout: S, optimizer steps per inner epoch (Flow-GRPO takes 2). Each
             trains a share of the rollout's samples, every visit (trained step) of each, gradients
             accumulated over its micro-batches; which samples is defined over the batch of all ranks
             (:meth:`steps_of`), so one process and N ranks take the same optimizer steps. S must divide
-            the samples each rank generates, and ``micro_batch_size`` the samples each rank trains per
-            step (checked at setup).
+            the samples each rank generates, and ``micro_batch_size``, where smaller, the samples each
+            rank trains per step (checked at setup).
         train_cfg: apply CFG in the update too; off, the update scores the rollout (made with CFG)
             under the conditional model alone, which is off-policy by construction.
         max_grad_norm: gradient clipping norm (``None``: no clipping, still logged).
@@ -103,13 +104,19 @@ class UpdateSettings:
                 f"({samples_per_step} samples / {ranks} ranks = {per_rank}), so that each optimizer step "
                 "trains the same samples on any number of ranks: change either"
             ]
-        if (per_rank // steps) % self.micro_batch_size:
+        if (per_rank // steps) % self.micro_size(per_rank):
             return [
                 f"{flag('update')}.micro_batch_size ({self.micro_batch_size}) must divide the per-rank batch of "
                 f"each optimizer step ({samples_per_step} samples / {ranks} ranks / {steps} "
-                f"optimizer_steps_per_rollout = {per_rank // steps}): change either"
+                f"optimizer_steps_per_rollout = {per_rank // steps}), or be at least that: change either"
             ]
         return []
+
+    def micro_size(self, per_rank: int) -> int:
+        """Samples per forward/backward on a rank that generates ``per_rank`` samples a rollout:
+        ``micro_batch_size``, or the rank's share of an optimizer step where that is smaller (with 2
+        steps a rollout, 2 ranks train half as many samples a step as one process)."""
+        return max(1, min(self.micro_batch_size, math.ceil(per_rank / self.optimizer_steps_per_rollout)))
 
     def on_policy_tolerance(self, fp32: bool) -> float:
         """``on_policy_tol`` resolved: 1e-6 when the transformer holds and computes fp32, else 1e-3."""
@@ -139,10 +146,11 @@ class UpdateSettings:
         blocks = math.ceil(num_samples / steps)
         return torch.rand(blocks, steps, generator=generator).argsort(dim=1).flatten()[:num_samples]
 
-    def micro_batch(self, order: Tensor, m: int, batch: int) -> tuple[Tensor, int]:
-        """Indices of micro-batch ``m`` of ``order`` and how many are real: the first ``live``. The
-        rest pad with rows whose loss is not counted, so every rank runs the same number of passes."""
-        size = self.micro_batch_size
+    def micro_batch(self, order: Tensor, m: int, batch: int, size: int | None = None) -> tuple[Tensor, int]:
+        """Indices of micro-batch ``m`` (of ``size`` samples; ``None``: ``micro_batch_size``) of ``order``
+        and how many are real: the first ``live``. The rest pad with rows whose loss is not counted, so
+        every rank runs the same number of passes."""
+        size = self.micro_batch_size if size is None else size
         idx = order[m * size : (m + 1) * size]
         live = len(idx)
         if live < size:
@@ -216,6 +224,7 @@ def run_update(
     device = batch.advantages.device
     n_visits = len(objective.visits(batch))
     kept = batch.keep.nonzero().flatten()  # one host read per rollout; none inside the loops below
+    size = settings.micro_size(len(batch))
     # Each row's place in the batch of all ranks (rank-major), which decides its optimizer steps.
     places = dp.rank * len(batch) + torch.arange(len(batch), device=device)
     steps = [
@@ -269,8 +278,8 @@ def run_update(
             # micro-batch alike would give the samples of a short last micro-batch, and of a peer that
             # kept fewer, more weight than the rest.
             step_rows = sum(counts_of_step) * n_visits
-            for m in range(math.ceil(max(counts_of_step) / settings.micro_batch_size)):
-                idx, live = settings.micro_batch(rows, m, len(batch))
+            for m in range(math.ceil(max(counts_of_step) / size)):
+                idx, live = settings.micro_batch(rows, m, len(batch), size)
                 for v in visits:
                     out = objective.visit(epoch_ctx, batch, idx, live, v)
                     result.forwards["update"] += forwards_per_sample * len(idx)

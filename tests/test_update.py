@@ -351,9 +351,11 @@ def test_each_rank_must_hold_whole_optimizer_steps_of_whole_micro_batches() -> N
     """What cannot be split alike on any number of ranks is refused at setup, naming the flag."""
     settings = UpdateSettings(micro_batch_size=4, optimizer_steps_per_rollout=2)
     assert settings.batch_problems(16, 2) == []  # 8 a rank, 4 a step: one micro-batch
-    (problem,) = settings.batch_problems(8, 2)  # 4 a rank, 2 a step
+    # 4 a rank, 2 a step: micro-batches of the 2 (one process, 4 a step, runs micro-batches of 4)
+    assert settings.batch_problems(8, 2) == [] and settings.micro_size(4) == 2 and settings.micro_size(8) == 4
+    (problem,) = settings.batch_problems(24, 2)  # 12 a rank, 6 a step: not whole micro-batches of 4
     assert problem.startswith("--model.init_args.update.micro_batch_size (4) must divide the per-rank batch")
-    assert "(8 samples / 2 ranks / 2 optimizer_steps_per_rollout = 2)" in problem
+    assert "(24 samples / 2 ranks / 2 optimizer_steps_per_rollout = 6), or be at least that" in problem
     (problem,) = UpdateSettings(micro_batch_size=1, optimizer_steps_per_rollout=3).batch_problems(8, 2)
     assert problem.startswith("--model.init_args.update.optimizer_steps_per_rollout (3) must divide")
     assert "(8 samples / 2 ranks = 4)" in problem
