@@ -126,8 +126,10 @@ def test_training_changes_only_lora_and_holds_on_policy(tiny_sd3_path, prompt_fi
     steps = [r for r in rows if "actor/loss" in r]
     assert len(steps) == 2  # 4 optimizer steps = 2 rollouts × 2
     for row in steps:
-        # fp32 on CPU: the update recomputes the rollout's log-probs bit for bit
-        assert row["actor/on_policy_ratio_err"] <= 1e-6
+        # fp32: the run's own on-policy check passes (UpdateSettings.on_policy_tolerance, 1e-6 for
+        # fp32). The update's micro-batches recompute the rollout's log-probs in other batch shapes:
+        # measured 3e-8 to 6e-8 (an ulp of the ratio or two) on AVX-512, AVX2 and the default kernels.
+        assert row["actor/on_policy_ratio_err"] <= UpdateSettings().on_policy_tolerance(fp32=True)
         for key in (
             "actor/pg_loss",
             "actor/kl_loss",
@@ -242,7 +244,8 @@ def test_export_lora_loads_into_diffusers(tiny_sd3_path, prompt_file, tmp_path):
     with torch.no_grad():
         ours = module.policy.transformer(**kwargs)[0]
     assert not torch.allclose(base, tuned)
-    torch.testing.assert_close(tuned, ours, rtol=1e-5, atol=1e-5)
+    # The exported fp32 adapter in diffusers' peft layers computes what ours does, op for op: exactly.
+    torch.testing.assert_close(tuned, ours, rtol=0, atol=0)
 
 
 def test_nonfinite_reward_is_dropped_and_counted(tiny_sd3_path, prompt_file, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
+from tolerances import depth, network_atol
 
 from lit_flowgrpo import FlowGRPOModule
 from lit_flowgrpo.lora import LoraSettings, TrainableWeights
@@ -204,10 +205,13 @@ def test_merged_sampling_computes_the_adapted_model_and_restores_the_weights(tin
         with settings.sampling_weights(transformer):
             assert all(m.disable_adapters for m in layers)  # the merged weights alone compute
             merged = policy.velocity(*inputs, 4.5)
-    # fp32 reassociation W·x + B·(A·x) → (W + B·A)·x costs a few ulps per product: far below 1e-5,
-    # while the adapter itself moves the output by orders of magnitude more
-    assert (merged - adapted).norm() / adapted.norm() < 1e-5
-    assert (base - adapted).norm() / adapted.norm() > 1e-3
+    # fp32 reassociation W·x + B·(A·x) → (W + B·A)·x: each adapted layer rounds by about eps of its
+    # scale in another way, and CFG amplifies each forward's rounding by |1 − 4.5| + 4.5 = 8
+    # (tests/tolerances.py; 8.9e-5 here, measured 1.6e-6), while the adapter itself moves the output
+    # by orders of magnitude more
+    atol = network_atol(8 * depth(transformer), float(adapted.abs().max()))
+    torch.testing.assert_close(merged, adapted, rtol=0, atol=atol)
+    assert (base - adapted).abs().max() > 100 * atol
     for n, p in transformer.named_parameters():
         if n in frozen:
             assert torch.equal(p, frozen[n]), f"{n} changed"

@@ -187,7 +187,8 @@ def test_one_lora_step_trains_only_the_adapters(tiny_wan_paths: dict, variant: s
         with weights.reference(policy):
             reference = policy.velocity(noise, s, embeds, 4.5)
         base = _load(tiny_wan_paths[variant]).velocity(noise, s, embeds, 4.5)
-    torch.testing.assert_close(reference, base, atol=1e-5, rtol=0)
+    # The adapters off compute the base layers alone: the same computation as the base model, exactly.
+    torch.testing.assert_close(reference, base, atol=0, rtol=0)
     assert (trained - reference).abs().max() > 1e-4
     assert all((lora[n] != before[n]).any() for n in lora if "lora_B" in n)
 
