@@ -13,8 +13,9 @@ bound measured on one machine fails on another. The bounds here come from the ar
   may round its output by about eps of its scale when its kernel orders its sums differently; along a
   path of d such layers the output moves by about d·eps times its scale.
 
-The same computation in the same order (the same shapes through the same kernels) is bit-equal on any
-machine: tests that compare such computations compare exactly, and these bounds are not for them.
+The same computation in the same order (the same shapes through the same kernels, on the one intra-op
+thread tests/conftest.py sets) gives the same bits on whatever machine runs both sides: tests that
+compare such computations compare exactly, and these bounds are not for them.
 """
 
 from __future__ import annotations
