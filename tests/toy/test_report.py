@@ -14,6 +14,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from test_ddp import CloseProcessGroup
 from torch.utils.data import DataLoader
 
 from lit_flowgrpo.callbacks import FinalCheckpoint
@@ -97,6 +98,7 @@ def fit(
     accelerator: str = "cpu",
     devices: int | str = "auto",
     strategy: str = "auto",
+    extra_callbacks: tuple[L.Callback, ...] = (),
 ) -> None:
     trainer = L.Trainer(
         accelerator=accelerator,
@@ -117,6 +119,7 @@ def fit(
             report,
             ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True),
             FinalCheckpoint(),
+            *extra_callbacks,
         ],
         default_root_dir=str(tmp_path),
     )
@@ -283,7 +286,10 @@ def test_the_picture_is_drawn_under_two_process_ddp(tmp_path: Path, capfd, monke
     Lightning's ``trainer.log_dir`` is a collective. Asked on rank 0 alone (it was), rank 0's broadcast
     found the other rank gone: the run failed at its end (gloo) or drew nothing (two GPUs)."""
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    fit(tmp_path, HeldOutReport(), max_steps=2, module=PairedLearner(), devices=2, strategy="ddp_spawn")
+    fit(
+        tmp_path, HeldOutReport(), max_steps=2, module=PairedLearner(), devices=2, strategy="ddp_spawn",
+        extra_callbacks=(CloseProcessGroup(),),
+    )  # fmt: skip
     assert (tmp_path / "base_vs_tuned.png").is_file()
     out = capfd.readouterr().out
     # i·2 is even: every sample back at its base verdict (4 samples, each validated on both ranks)
