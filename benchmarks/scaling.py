@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
 from lit_flowgrpo.callbacks import RLThroughputMonitor
 from lit_flowgrpo.lora import LORA_WEIGHTS_FILE, ReferenceSettings
-from lit_flowgrpo.objective import GRPOGuard
+from lit_flowgrpo.objective import DiffusionNFT, GRPOGuard
 from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies.base import Embeds
 from lit_flowgrpo.policies.flux import FluxPolicy
@@ -440,14 +440,16 @@ def run(args: argparse.Namespace) -> None:
     lora = not args.full
     kl_coef = args.kl_coef if args.kl_coef is not None else (0.0 if lora else 0.04)
     reference_copy = not lora and kl_coef > 0
-    guidance = 1.0 if args.no_cfg else recipe.get("guidance", DEFAULT_GUIDANCE[family])
     window = args.sde_window_size if args.sde_window_size is not None else recipe.get("sde_window_size", 0)
     objective_name = args.objective or recipe.get("objective", "flow_grpo")
-    objective = (
-        GRPOGuard(clip_range=2e-6, kl_coef=kl_coef)
-        if objective_name == "grpo_guard"
-        else FlowGRPO(clip_range=1e-4, kl_coef=kl_coef)
-    )
+    # DiffusionNFT is CFG-free; it keeps an old policy beside the weights (sharded like them under fsdp2).
+    cfg_free = args.no_cfg or objective_name == "diffusion_nft"
+    guidance = 1.0 if cfg_free else recipe.get("guidance", DEFAULT_GUIDANCE[family])
+    objective = {
+        "grpo_guard": lambda: GRPOGuard(clip_range=2e-6, kl_coef=kl_coef),
+        "diffusion_nft": lambda: DiffusionNFT(kl_coef=kl_coef),
+        "flow_grpo": lambda: FlowGRPO(clip_range=1e-4, kl_coef=kl_coef),
+    }[objective_name]()
     resolution = args.resolution or spec["resolution"]
     module = Recorder(
         out=str(out),
@@ -1034,9 +1036,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument(
         "--objective",
-        choices=("flow_grpo", "grpo_guard"),
+        choices=("flow_grpo", "grpo_guard", "diffusion_nft"),
         default=None,
-        help="default: the family's recipe (Qwen-Image: GRPO-Guard), else Flow-GRPO",
+        help="default: the family's recipe (Qwen-Image: GRPO-Guard), else Flow-GRPO; diffusion_nft samples "
+        "without CFG and keeps an old-policy copy (its sharded resume is what --resume checks)",
     )
     p.add_argument("--profile", default=None, help="profile the last rollouts; traces and summaries here")
     p.add_argument("--profile_steps", type=int, default=1, help="rollouts to profile (the run's last)")
