@@ -11,6 +11,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from ddp_helpers import CloseProcessGroup
 from tolerances import EPS32, depth, image_mean_atol
 
 from lit_flowgrpo import (
@@ -62,17 +63,6 @@ class RecordingModule(FlowGRPOModule):
         if self.global_rank == 0:
             state = {k: v.detach().cpu().clone() for k, v in self.named_parameters() if v.requires_grad}
             torch.save(state, Path(self.out) / name)
-
-
-class CloseProcessGroup(L.Callback):
-    """Closes the process group at the end of a spawned rank's fit, as the CLI does for its runs
-    (``lit_flowgrpo.strategies.end_distributed_process``): left open, gloo's background thread is
-    destroyed during the interpreter's teardown and now and then aborts a rank that succeeded
-    ("terminate called without an active exception", signal 6; seen once in about 25 short runs)."""
-
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
 
 
 def fit_two_steps(module: FlowGRPOModule, data: PromptDataModule, devices: int) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from ddp_helpers import CloseProcessGroup
 from test_ddp import RecordingModule, brightness, collect
 
 from lit_flowgrpo import FlowGRPO, LoraSettings, PromptDataModule, Sampler, UpdateSettings
@@ -98,6 +99,7 @@ def run(path: str, prompts: str, out: Path, devices: int) -> None:
         accelerator="cpu",
         devices=devices,
         strategy="ddp_spawn" if devices > 1 else "auto",
+        callbacks=[CloseProcessGroup()],
         max_steps=4,  # 2 rollouts
         logger=False,
         enable_checkpointing=False,

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from ddp_helpers import CloseProcessGroup
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, IterableDataset
@@ -150,7 +151,7 @@ def fit(
         logger=CSVLogger(str(root), name="run"),
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[monitor, ModelCheckpoint(dirpath=str(root / "ckpt"), save_last=True)],
+        callbacks=[monitor, ModelCheckpoint(dirpath=str(root / "ckpt"), save_last=True), CloseProcessGroup()],
         default_root_dir=str(root),
     )
     trainer.fit(

@@ -10,6 +10,7 @@ from unittest import mock
 import pytest
 import torch
 from callback_helpers import LAYER_FLOPS, RecordingLogger, StandIn, TinyPolicy, loader, trainer
+from ddp_helpers import CloseProcessGroup
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 
@@ -283,7 +284,7 @@ def test_throughput_monitor_two_gloo_ranks(tmp_path: Any) -> None:
     path = str(tmp_path / "calls.json")
     t = trainer(
         tmp_path,
-        [RLThroughputMonitor(measure_flops=False)],
+        [RLThroughputMonitor(measure_flops=False), CloseProcessGroup()],
         logger=JsonLogger(path),
         strategy="ddp_spawn",
         devices=2,

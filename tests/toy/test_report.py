@@ -12,9 +12,9 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from ddp_helpers import CloseProcessGroup
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from test_ddp import CloseProcessGroup
 from torch.utils.data import DataLoader
 
 from lit_flowgrpo.callbacks import FinalCheckpoint
