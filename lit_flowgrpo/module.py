@@ -363,8 +363,7 @@ class FlowGRPOModule(L.LightningModule):
         for network in self.policy.trainable_networks:
             network.train()
         transformer = self.policy.transformer
-        compute = self.performance.resolved_dtype(transformer, self.weights.model_dtype)
-        fp32 = {transformer.dtype, compute} == {torch.float32}
+        fp32 = self.performance.computes_fp32(transformer, self.weights.model_dtype)
         guidance = self.sampler.guidance_scale if self.update.train_cfg else 1.0
         done = run_update(
             self.update,

@@ -215,6 +215,23 @@ class PerformanceSettings:
         """Whether the compiled blocks run as CUDA graphs (``compile_mode``)."""
         return self.compile_blocks and self.compile_mode in CUDAGRAPH_MODES
 
+    def computes_fp32(self, transformer: nn.Module, model_dtype: torch.dtype | None = None) -> bool:
+        """Whether the transformer holds and computes float32 throughout: what the update's on-policy
+        check takes fp32's bound for (:meth:`~lit_flowgrpo.update.UpdateSettings.on_policy_tolerance`).
+
+        Not with ``fp8_base_matmuls``: each activation is rounded to e4m3 there, and a last-bit
+        difference between the rollout's batch and the update's micro-batch can flip one such
+        rounding, a step of 2^-4 of the value, far above fp32's epsilon.
+
+        >>> PerformanceSettings().computes_fp32(nn.Linear(2, 2))
+        True
+        >>> PerformanceSettings(fp8_base_matmuls=True).computes_fp32(nn.Linear(2, 2))
+        False
+        """
+        held = {p.dtype for p in transformer.parameters() if p.is_floating_point()}
+        compute = self.resolved_dtype(transformer, model_dtype)
+        return held | {compute} == {torch.float32} and not self.fp8_base_matmuls
+
     def resolved_dtype(self, transformer: nn.Module, model_dtype: torch.dtype | None = None) -> torch.dtype:
         """The dtype the transformer's matrix products run in; ``model_dtype``: the dtype the policy
         loaded it in, which ``auto`` means when given (a full fine-tune's float32 master weights are

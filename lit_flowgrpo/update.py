@@ -119,7 +119,8 @@ class UpdateSettings:
         return max(1, min(self.micro_batch_size, math.ceil(per_rank / self.optimizer_steps_per_rollout)))
 
     def on_policy_tolerance(self, fp32: bool) -> float:
-        """``on_policy_tol`` resolved: 1e-6 when the transformer holds and computes fp32, else 1e-3."""
+        """``on_policy_tol`` resolved: 1e-6 when the transformer holds and computes fp32 (without float8
+        base products), else 1e-3."""
         if self.on_policy_tol is not None:
             return self.on_policy_tol
         return 1e-6 if fp32 else 1e-3
