@@ -983,6 +983,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         # machine (local rank 0, Lightning's launcher or torchrun's or SLURM's) reports it for all.
         if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
             print(f"lit-flowgrpo: error: {err}", file=sys.stderr)
+        from lit_flowgrpo.strategies import end_distributed_process
+
+        end_distributed_process(2)  # an open process group: exit 2, not gloo's teardown's abort (-6)
         raise SystemExit(2) from None
     from lit_flowgrpo.strategies import end_distributed_process
 
