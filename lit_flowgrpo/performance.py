@@ -293,7 +293,7 @@ class PerformanceSettings:
                 raise ValueError(next(p for p in self.problems() if "fp8_base_matmuls" in p))
             from lit_flowgrpo.fp8 import convert_frozen_linears
 
-            if not convert_frozen_linears(_repeated_blocks(transformer, "fp8_base_matmuls")):
+            if not convert_frozen_linears(repeated_blocks(transformer, "fp8_base_matmuls")):
                 raise ValueError(
                     "--model.init_args.performance.fp8_base_matmuls: the transformer blocks have no frozen "
                     "linear layer (a full fine-tune trains them all): use it with --model.init_args.lora"
@@ -490,11 +490,13 @@ def _compile_repeated_blocks(transformer: nn.Module, backend: str, mode: str | N
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), 64))
-    for block in _repeated_blocks(transformer, "compile_blocks"):
+    for block in repeated_blocks(transformer, "compile_blocks"):
         block.compile(backend=backend, dynamic=False, mode=mode)
 
 
-def _repeated_blocks(transformer: nn.Module, setting: str) -> list[nn.Module]:
+def repeated_blocks(transformer: nn.Module, setting: str) -> list[nn.Module]:
+    """The repeated layers of ``transformer`` (its blocks), which compilation, float8 matmuls and
+    activation checkpointing act on; ``setting`` names the flag in the error when there are none."""
     classes = set(getattr(transformer, "_repeated_blocks", None) or _block_classes(transformer))
     if not classes:
         raise ValueError(

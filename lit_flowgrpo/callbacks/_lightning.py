@@ -7,7 +7,9 @@ Lightning has no public API for two things the callbacks need, so each is read h
   ``self.log`` (under manual optimization ``trainer.global_step`` counts ``optimizer.step()`` calls,
   several per rollout step); Lightning's own ``LearningRateMonitor`` reads the same counter;
 - "save a checkpoint now, as this ModelCheckpoint would at one of its save points", which
-  ``ModelCheckpoint`` does inside its hooks through protected methods only.
+  ``ModelCheckpoint`` does inside its hooks through protected methods only;
+- "is this step one that logs", the logger connector's private ``should_update_logs``, restated
+  from the trainer's public settings.
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ def rollout_step(trainer: Trainer) -> int:
     increments it after the batch-end hooks), and it survives resume.
     """
     return int(getattr(trainer.fit_loop.epoch_loop, TRAINER_COUNTER))
+
+
+def should_log(trainer: Trainer, step: int) -> bool:
+    """Whether on-step metrics of rollout step ``step`` are logged: Lightning's own rule (the logger
+    connector's ``should_update_logs``), every ``log_every_n_steps`` steps and at the last one."""
+    every = trainer.log_every_n_steps
+    return every > 0 and ((step + 1) % every == 0 or trainer.should_stop)
 
 
 def saved_at_current_step(checkpoint: ModelCheckpoint, trainer: Trainer) -> bool:

@@ -39,9 +39,8 @@ from torch import Tensor
 from torchmetrics.utilities.distributed import gather_all_tensors
 from typing_extensions import override
 
-from lit_flowgrpo.callbacks._lightning import rollout_step
+from lit_flowgrpo.callbacks._lightning import rollout_step, should_log
 from lit_flowgrpo.callbacks._module import as_mapping, image_size
-from lit_flowgrpo.callbacks.throughput import _should_log
 from lit_flowgrpo.distributed import DataParallel
 from lit_flowgrpo.diversity import Distance, GroupDiversity, ReferenceDrift, pooled_pixels
 
@@ -152,7 +151,7 @@ class OverOptimizationMonitor(Callback):
         value = float(_compute(self._train)["diversity"])  # a collective: every rank gets here
         self._train.reset()
         step = rollout_step(trainer)
-        if trainer.is_global_zero and _should_log(trainer, step) and not math.isnan(value):
+        if trainer.is_global_zero and should_log(trainer, step) and not math.isnan(value):
             for logger in trainer.loggers:
                 logger.log_metrics({"rollout/diversity": value}, step=step)
 

@@ -28,7 +28,7 @@ from lightning.fabric.utilities.throughput import get_available_flops, measure_f
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lit_flowgrpo.callbacks._lightning import rollout_step
+from lit_flowgrpo.callbacks._lightning import rollout_step, should_log
 from lit_flowgrpo.callbacks._module import as_mapping, image_size
 from lit_flowgrpo.distributed import DataParallel
 from lit_flowgrpo.policies.base import FlowPolicy
@@ -273,7 +273,7 @@ class RLThroughputMonitor(Callback):
     @staticmethod
     def _log(trainer: Trainer, metrics: dict[str, float]) -> None:
         step = rollout_step(trainer)
-        if trainer.is_global_zero and _should_log(trainer, step):
+        if trainer.is_global_zero and should_log(trainer, step):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
 
@@ -299,12 +299,6 @@ def _frames(pl_module: Any) -> int:
     """Frames per sample the module draws (``pl_module.sampler.frames``; 1 for images)."""
     frames = getattr(getattr(pl_module, "sampler", None), "frames", 1)
     return frames if isinstance(frames, int) and frames >= 1 else 1
-
-
-def _should_log(trainer: Trainer, step: int) -> bool:
-    # Lightning's own rule for on-step metrics (the logger connector's `should_update_logs`)
-    every = trainer.log_every_n_steps
-    return every > 0 and ((step + 1) % every == 0 or trainer.should_stop)
 
 
 def _sync(trainer: Trainer) -> None:
@@ -485,9 +479,9 @@ def _recomputed_flops(transformer: torch.nn.Module, forward: Any) -> int:
         return 0
     from torch.utils.flop_counter import FlopCounterMode
 
-    from lit_flowgrpo.performance import _repeated_blocks
+    from lit_flowgrpo.performance import repeated_blocks
 
-    blocks = {id(m) for m in _repeated_blocks(transformer, "activation_checkpointing")}
+    blocks = {id(m) for m in repeated_blocks(transformer, "activation_checkpointing")}
     # FlopCounterMode names each module by the outermost module's class and the path below it.
     root = type(transformer).__name__
     names = {f"{root}.{name}" for name, m in transformer.named_modules() if id(m) in blocks}

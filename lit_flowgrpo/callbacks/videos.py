@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lit_flowgrpo.callbacks.grids import captioned_grid, image_grid
+
 __all__ = ["captioned_video", "downscale", "gif_bytes", "tensorboard_gif_summary", "video_grid"]
 
 
@@ -54,18 +56,14 @@ def downscale(pixels: Tensor, max_side: int | None) -> Tensor:
 
 def video_grid(pixels: Tensor, pad: int = 2) -> Tensor:
     """(B, F, 3, H, W) uint8 -> (F, 3, H', W'): each frame a grid of the B videos' frames, as
-    :func:`lit_flowgrpo.callbacks.images.image_grid` lays out images (TensorBoard's ``add_video``
+    :func:`lit_flowgrpo.callbacks.grids.image_grid` lays out images (TensorBoard's ``add_video``
     also tiles a batch into one video)."""
-    from lit_flowgrpo.callbacks.images import image_grid
-
     return torch.stack([image_grid(pixels[:, t], pad=pad) for t in range(pixels.shape[1])])
 
 
 def captioned_video(pixels: Tensor, captions: Sequence[str], cell: int = 128) -> list[Any]:
     """(B, F, 3, H, W) uint8 -> F PIL frames: each the captioned grid of the B videos at that frame
-    (:func:`lit_flowgrpo.callbacks.images.captioned_grid`: prompt and rewards drawn under each)."""
-    from lit_flowgrpo.callbacks.images import captioned_grid
-
+    (:func:`lit_flowgrpo.callbacks.grids.captioned_grid`: prompt and rewards drawn under each)."""
     return [captioned_grid(pixels[:, t], captions, cell=cell) for t in range(pixels.shape[1])]
 
 
