@@ -1,0 +1,69 @@
+"""Pure tensor math: from rewards to advantages, the policy losses (Flow-GRPO, GRPO-Guard, Flow-DPPO,
+DiffusionNFT), and the KL.
+
+Every function takes tensors and returns tensors; the module, the advantage stage and the metrics hold
+the state. One concern per file:
+
+- :mod:`~lit_flowgrpo.algorithms.advantages`: group advantages, GDPO, GARDO's uncertainty, KL gate and
+  diversity multipliers;
+- :mod:`~lit_flowgrpo.algorithms.losses`: the ratio losses, their :class:`PolicyStats`, and the KL to
+  the reference;
+- :mod:`~lit_flowgrpo.algorithms.nft`: DiffusionNFT's loss and schedules.
+
+Import from here (``from lit_flowgrpo.algorithms import flow_grpo_loss``): the files are a layout,
+this is the API.
+"""
+
+from lit_flowgrpo.algorithms.advantages import (
+    GDPOAdvantages,
+    diversity_multipliers,
+    gardo_uncertainty,
+    gated_kl_weights,
+    gdpo_advantages,
+    group_advantages,
+    win_rates,
+)
+from lit_flowgrpo.algorithms.losses import (
+    DPPOStats,
+    PolicyStats,
+    flow_dppo_loss,
+    flow_grpo_loss,
+    gaussian_step_kl,
+    grpo_guard_loss,
+    kl_to_reference,
+    ratio_norm_loss,
+)
+from lit_flowgrpo.algorithms.nft import (
+    NFT_DECAY_SCHEDULES,
+    NFTRewardMode,
+    NFTStats,
+    nft_loss,
+    nft_old_policy_decay,
+    nft_reward_probability,
+    nft_sample_times,
+)
+
+__all__ = [
+    "NFT_DECAY_SCHEDULES",
+    "DPPOStats",
+    "GDPOAdvantages",
+    "NFTRewardMode",
+    "NFTStats",
+    "PolicyStats",
+    "diversity_multipliers",
+    "flow_dppo_loss",
+    "flow_grpo_loss",
+    "gardo_uncertainty",
+    "gated_kl_weights",
+    "gaussian_step_kl",
+    "gdpo_advantages",
+    "group_advantages",
+    "grpo_guard_loss",
+    "kl_to_reference",
+    "nft_loss",
+    "nft_old_policy_decay",
+    "nft_reward_probability",
+    "nft_sample_times",
+    "ratio_norm_loss",
+    "win_rates",
+]
