@@ -10,15 +10,12 @@ from lit_flowgrpo.rewards import aesthetic, clip_score, geneval, jpeg, ocr, pick
 from lit_flowgrpo.rewards.base import (
     DEFAULT_MODALITIES,
     MultiReward,
-    Reward,
     RewardOutput,
     as_reward,
-    available_rewards,
-    build_reward,
     modality_problems,
-    register_reward,
     reward_modalities,
 )
+from lit_flowgrpo.rewards.registry import Reward, available_rewards, build_reward, register_reward
 from lit_flowgrpo.rewards.remote import RemoteEndpoint, RemoteRewardError
 from lit_flowgrpo.rewards.video import PerFrame, TemporalConsistencyReward
 

@@ -1,4 +1,4 @@
-"""Reward contract, the registry by name, and the weighted sum.
+"""Reward contract and the weighted sum (the registry by name is :mod:`lit_flowgrpo.rewards.registry`).
 
 A reward is any callable ``(images (B,3,H,W) in [0,1], prompts, metadata) -> Tensor (B,)`` or a
 dict of named (B,) components. A video-capable reward takes ``(B, F, 3, H, W)`` videos in [0, 1] the
@@ -42,87 +42,50 @@ import contextlib
 import math
 import time
 import warnings
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from lit_flowgrpo.errors import SettingsError, flag
+from lit_flowgrpo.rewards.registry import (  # re-exported: plugins registered through base before registry.py
+    Reward,
+    RewardValue,
+    available_rewards,
+    build_reward,
+    qualname,
+    register_reward,
+    unknown_rewards_hint,
+)
 
-RewardValue = Tensor | dict[str, Tensor]
+__all__ = [
+    "DEFAULT_MODALITIES",
+    "MODALITIES",
+    "CallableReward",
+    "MultiReward",
+    "Reward",
+    "RewardOutput",
+    "RewardValue",
+    "Scored",
+    "as_reward",
+    "available_rewards",
+    "build_reward",
+    "checked_output",
+    "modality_problems",
+    "note",
+    "register_reward",
+    "reward_modalities",
+    "thread_safe",
+]
 
 MODALITIES = frozenset({"image", "video"})
 """What a reward may declare it scores: images ``(B, 3, H, W)``, videos ``(B, F, 3, H, W)``."""
 
 DEFAULT_MODALITIES = frozenset({"image"})
 """The modalities of a reward that declares none: every reward written before video scores images."""
-
-
-@runtime_checkable
-class Reward(Protocol):
-    def __call__(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> RewardValue: ...
-
-
-_REGISTRY: dict[str, Callable[..., Reward]] = {}
-
-#: Rewards that a plugin registers when it is imported, and how to get them. Only text: the core
-#: imports no plugin, so naming one of these without its plugin fails with this hint.
-_PLUGIN_REWARDS = {
-    "shapes": (
-        "the toy world's reward, registered by `import lit_flowgrpo.toy` (a config does that by naming "
-        "one of its classes, e.g. --model.init_args.policy.class_path lit_flowgrpo.toy.ToyPolicy)"
-    ),
-    "shapes_video": (
-        "the toy world's video reward, registered by `import lit_flowgrpo.toy` (a config does that by naming "
-        "one of its classes, e.g. --model.init_args.policy.class_path lit_flowgrpo.toy.ToyPolicy)"
-    ),
-    "shapes_color": (
-        "the toy world's gameable proxy reward, registered by `import lit_flowgrpo.toy` (a config does that "
-        "by naming one of its classes, e.g. --model.init_args.policy.class_path lit_flowgrpo.toy.ToyPolicy)"
-    ),
-}
-
-
-def _unknown(names: Sequence[str]) -> str:
-    """What to do about reward names that are not registered."""
-    hints = "".join(f"; {n!r} is {_PLUGIN_REWARDS[n]}" for n in names if n in _PLUGIN_REWARDS)
-    return (
-        f"registered rewards are {sorted(_REGISTRY)}{hints}; register a new one with "
-        "@lit_flowgrpo.rewards.register_reward"
-    )
-
-
-def register_reward(name: str) -> Callable[[Callable[..., Reward]], Callable[..., Reward]]:
-    """Class or factory decorator: make a reward buildable by ``name`` from YAML."""
-
-    def wrap(factory: Callable[..., Reward]) -> Callable[..., Reward]:
-        if name in _REGISTRY and _REGISTRY[name] is not factory:
-            raise ValueError(f"reward name {name!r} is already registered by {_REGISTRY[name]!r}")
-        _REGISTRY[name] = factory
-        return factory
-
-    return wrap
-
-
-def available_rewards() -> list[str]:
-    _import_builtin_rewards()
-    return sorted(_REGISTRY)
-
-
-def build_reward(name: str, **kwargs: Any) -> Reward:
-    """Instantiate the reward registered as ``name`` with ``kwargs``."""
-    _import_builtin_rewards()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown reward {name!r}: {_unknown([name])}")
-    return _REGISTRY[name](**kwargs)
-
-
-def _import_builtin_rewards() -> None:
-    # Importing the package registers every built-in family (each module decorates its classes).
-    import lit_flowgrpo.rewards  # noqa: F401
 
 
 @dataclass
@@ -205,7 +168,7 @@ def reward_modalities(reward: Any) -> frozenset[str]:
         or not all(isinstance(m, str) and m in MODALITIES for m in declared)
     ):
         raise TypeError(
-            f"reward {_qualname(reward)}.modalities is {declared!r}: declare a non-empty frozenset of "
+            f"reward {qualname(reward)}.modalities is {declared!r}: declare a non-empty frozenset of "
             f"{sorted(MODALITIES)}, e.g. frozenset({{'image', 'video'}})"
         )
     return frozenset(declared)
@@ -231,7 +194,7 @@ def modality_problems(rewards: Mapping[str, Any], modality: str) -> list[str]:
         else:
             fix = f"use a reward that declares {modality!r} in its modalities"
         out.append(
-            f"reward {name!r} ({_qualname(reward)}) scores {sorted(declared)} only, not {modality}s: {fix}"
+            f"reward {name!r} ({qualname(reward)}) scores {sorted(declared)} only, not {modality}s: {fix}"
         )
     return out
 
@@ -286,7 +249,7 @@ class MultiReward:
         unknown = sorted({k.split("/", 1)[0] for k in self.weights} - set(built) - set(available_rewards()))
         if unknown:
             raise SettingsError(
-                f"--model.init_args.reward.init_args.weights names unregistered rewards {unknown}: {_unknown(unknown)}"
+                f"--model.init_args.reward.init_args.weights names unregistered rewards {unknown}: {unknown_rewards_hint(unknown)}"
             )
         for key in self.weights:
             name = key.split("/", 1)[0]
@@ -423,14 +386,14 @@ class MultiReward:
             try:
                 value = reward(images, prompts, metadata)
             except Exception as err:
-                note(err, f"raised by reward {name!r} ({_qualname(reward)})")
+                note(err, f"raised by reward {name!r} ({qualname(reward)})")
                 raise
             seconds = time.perf_counter() - start
             components = self._components(name, reward, value, batch)
             missing = [key for key in _declared_core(name, reward) if self._key(name, key) not in components]
             if missing:
                 raise ValueError(
-                    f"reward {name!r} ({_qualname(reward)}) declares core_components {missing} but returned "
+                    f"reward {name!r} ({qualname(reward)}) declares core_components {missing} but returned "
                     f"{sorted(components)}: declare components it returns (None for a Tensor-valued reward)"
                 )
             return Scored(components, seconds)
@@ -464,7 +427,7 @@ class MultiReward:
         """One reward's output as ``{name or name/component: (B,) fp32 CPU}``, its shape checked."""
         return {
             self._key(name, key): tensor
-            for key, tensor in checked_output(value, batch, f"reward {name!r} ({_qualname(reward)})").items()
+            for key, tensor in checked_output(value, batch, f"reward {name!r} ({qualname(reward)})").items()
         }
 
     def _key(self, name: str, component: str | None) -> str:
@@ -522,7 +485,7 @@ class CallableReward(MultiReward):
         self.rewards = {"reward": reward}
 
     def _components(self, name: str, reward: Reward, value: Any, batch: int) -> dict[str, Tensor]:
-        found = checked_output(value, batch, f"reward {_qualname(reward)!r}")
+        found = checked_output(value, batch, f"reward {qualname(reward)!r}")
         return {self._key(name, key): tensor for key, tensor in found.items()}
 
     def _key(self, name: str, component: str | None) -> str:
@@ -604,7 +567,7 @@ def _declared_core(name: str, reward: Any) -> tuple[str | None, ...]:
         key is None or isinstance(key, str) for key in declared
     ):
         raise TypeError(
-            f"reward {name!r} ({_qualname(reward)}).core_components is {declared!r}: declare a tuple of "
+            f"reward {name!r} ({qualname(reward)}).core_components is {declared!r}: declare a tuple of "
             "component names, e.g. ('strict',), or (None,) for a Tensor-valued reward"
         )
     return tuple(declared)
@@ -616,8 +579,3 @@ def note(err: BaseException, text: str) -> None:
         err.add_note(text)
     else:
         warnings.warn(f"{type(err).__name__}: {err} ({text})", RuntimeWarning, stacklevel=3)
-
-
-def _qualname(reward: Any) -> str:
-    """``__qualname__`` of a function, or of the class of a callable object."""
-    return getattr(reward, "__qualname__", None) or type(reward).__qualname__

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lit_flowgrpo.rewards.base import register_reward
 from lit_flowgrpo.rewards.hf import CLIPFeatures, place
 from lit_flowgrpo.rewards.images import to_uint8
+from lit_flowgrpo.rewards.registry import register_reward
 
 
 @register_reward("clip_score")

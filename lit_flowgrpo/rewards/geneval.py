@@ -44,8 +44,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lit_flowgrpo.rewards.base import register_reward
 from lit_flowgrpo.rewards.images import ImageFormat, encode, to_base64, to_pil
+from lit_flowgrpo.rewards.registry import register_reward
 from lit_flowgrpo.rewards.remote import RemoteEndpoint, decode_json
 
 _FLAG = "--model.init_args.reward.init_args.config.geneval"

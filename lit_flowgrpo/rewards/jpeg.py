@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lit_flowgrpo.rewards.base import register_reward
 from lit_flowgrpo.rewards.images import encode, to_pil
+from lit_flowgrpo.rewards.registry import register_reward
 
 QUALITY = 95
 

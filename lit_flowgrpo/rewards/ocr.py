@@ -34,8 +34,8 @@ from torch import Tensor
 from torchmetrics.functional.text import edit_distance
 
 from lit_flowgrpo.errors import SettingsError
-from lit_flowgrpo.rewards.base import register_reward
 from lit_flowgrpo.rewards.images import to_pil
+from lit_flowgrpo.rewards.registry import register_reward
 
 _FLAG = "--model.init_args.reward.init_args.config.ocr"
 _QUOTED = re.compile(r'"([^"]*)"|“([^”]*)”')

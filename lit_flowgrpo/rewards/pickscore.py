@@ -12,9 +12,9 @@ import torch
 from torch import Tensor
 
 from lit_flowgrpo.policies.base import DType
-from lit_flowgrpo.rewards.base import register_reward
 from lit_flowgrpo.rewards.hf import as_features, check_dtype, place
 from lit_flowgrpo.rewards.images import to_pil
+from lit_flowgrpo.rewards.registry import register_reward
 
 _FLAG = "--model.init_args.reward.init_args.config.pickscore"
 

@@ -23,18 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lit_flowgrpo.rewards.base import (
+from lit_flowgrpo.rewards.base import checked_output, reward_modalities, thread_safe
+from lit_flowgrpo.rewards.images import check_videos, frame_indices
+from lit_flowgrpo.rewards.registry import (
     Reward,
-    _qualname,
-    _unknown,
     available_rewards,
     build_reward,
-    checked_output,
+    qualname,
     register_reward,
-    reward_modalities,
-    thread_safe,
+    unknown_rewards_hint,
 )
-from lit_flowgrpo.rewards.images import check_videos, frame_indices
 
 __all__ = ["PerFrame", "TemporalConsistencyReward"]
 
@@ -98,19 +96,19 @@ class PerFrame:
             )
         if config and not isinstance(reward, str):
             problems.append(
-                f"{_PER_FRAME}.config is given for a reward that is already built ({_qualname(reward)}): "
+                f"{_PER_FRAME}.config is given for a reward that is already built ({qualname(reward)}): "
                 "give the reward by its registered name to have it built with config"
             )
         if problems:
             raise ValueError("; ".join(problems))
         if isinstance(reward, str) and reward not in available_rewards():
             raise ValueError(
-                f"{_PER_FRAME}.reward ({reward!r}) is not a registered reward: {_unknown([reward])}"
+                f"{_PER_FRAME}.reward ({reward!r}) is not a registered reward: {unknown_rewards_hint([reward])}"
             )
         inner = build_reward(reward, **(config or {})) if isinstance(reward, str) else reward
         if "image" not in reward_modalities(inner):
             raise ValueError(
-                f"{_PER_FRAME}.reward ({reward if isinstance(reward, str) else _qualname(inner)}) scores "
+                f"{_PER_FRAME}.reward ({reward if isinstance(reward, str) else qualname(inner)}) scores "
                 f"{sorted(reward_modalities(inner))}, not images: PerFrame wraps an image reward; use a "
                 "video reward as it is"
             )
@@ -119,7 +117,7 @@ class PerFrame:
         self.max_frames = max_frames
         self.frames_per_call = frames_per_call
         self.name: str = (
-            reward if isinstance(reward, str) else getattr(inner, "name", None) or _qualname(inner)
+            reward if isinstance(reward, str) else getattr(inner, "name", None) or qualname(inner)
         )
         self.__qualname__ = f"PerFrame({self.name})"  # what MultiReward's messages name
         self.thread_safe = thread_safe(inner)

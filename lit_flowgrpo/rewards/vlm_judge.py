@@ -31,7 +31,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lit_flowgrpo.rewards.base import register_reward
 from lit_flowgrpo.rewards.images import (
     ImageFormat,
     check_videos,
@@ -41,6 +40,7 @@ from lit_flowgrpo.rewards.images import (
     to_base64,
     to_pil,
 )
+from lit_flowgrpo.rewards.registry import register_reward
 from lit_flowgrpo.rewards.remote import RemoteEndpoint, decode_json
 
 _FLAG = "--model.init_args.reward.init_args.config.vlm_judge"

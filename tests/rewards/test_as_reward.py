@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import Tensor
 
-import lit_flowgrpo.rewards.base as base
+import lit_flowgrpo.rewards.registry as registry
 from lit_flowgrpo.rewards import MultiReward, RewardOutput, as_reward, build_reward
 from lit_flowgrpo.rewards.base import CallableReward
 
@@ -123,7 +123,7 @@ def test_problems_hook_is_aggregated_with_the_reward_name() -> None:
 
 def test_plugin_reward_unknown_names_the_import(monkeypatch: pytest.MonkeyPatch) -> None:
     # As in a process that never imported lit_flowgrpo.toy (this one may have).
-    monkeypatch.delitem(base._REGISTRY, "shapes", raising=False)
+    monkeypatch.delitem(registry._REGISTRY, "shapes", raising=False)
     hint = r"'shapes' is the toy world's reward, registered by `import lit_flowgrpo\.toy`.*lit_flowgrpo\.toy\.ToyPolicy"
     with pytest.raises(ValueError, match=r"unknown reward 'shapes': .*" + hint):
         build_reward("shapes")
