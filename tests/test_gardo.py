@@ -11,7 +11,7 @@ import torch
 from test_advantages_gdpo import _Ranks, _Sent
 from torch import nn
 
-from lit_flowgrpo.advantages import AdvantageSettings, DiversityBonus, KLGate
+from lit_flowgrpo.advantages import AdvantageSettings, DiversityBonus, KLGate, KLGateController
 from lit_flowgrpo.algorithms import diversity_multipliers, gardo_uncertainty, gated_kl_weights, win_rates
 from lit_flowgrpo.data import GroupSampler
 from lit_flowgrpo.distributed import DataParallel
@@ -138,7 +138,7 @@ def test_non_finite_features_leave_the_advantage_alone() -> None:
 
 
 def test_the_adaptive_fraction_follows_gardos_controller_and_checkpoints() -> None:
-    gate = KLGate(proxy="p", auxiliary=["a"], fraction=0.1, window=3)
+    gate = KLGateController(KLGate(proxy="p", auxiliary=["a"], fraction=0.1, window=3))
     proxy = torch.arange(10.0)
 
     def batch(spread: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,13 +153,13 @@ def test_the_adaptive_fraction_follows_gardos_controller_and_checkpoints() -> No
     # first: no history; higher risk twice: ×1.1 each; lower than every one of the window: ×0.9
     assert seen == pytest.approx([0.1, 0.11, 0.121, 0.1089])
     state = gate.state_dict()
-    again = KLGate(proxy="p", auxiliary=["a"], fraction=0.1, window=3)
+    again = KLGateController(KLGate(proxy="p", auxiliary=["a"], fraction=0.1, window=3))
     again.load_state_dict(state)
     assert again.state_dict() == state and len(state["risks"]) == 3
-    fixed = KLGate(proxy="p", auxiliary=["a"], fraction=0.3, adaptive=False)
+    fixed = KLGateController(KLGate(proxy="p", auxiliary=["a"], fraction=0.3, adaptive=False))
     assert fixed.weights(*batch(2.0))[1]["actor/kl_gate_target"] == 0.3
     # clipped to the range
-    high = KLGate(proxy="p", auxiliary=["a"], fraction=0.2, window=2)
+    high = KLGateController(KLGate(proxy="p", auxiliary=["a"], fraction=0.2, window=2))
     for spread in (0.2, 0.5, 0.9, 1.4):
         high.weights(*batch(spread))
     assert high.state_dict()["fraction"] == pytest.approx(0.2)
