@@ -50,7 +50,7 @@ class KLGate:
     samples and b samples a micro-batch (GARDO's OCR recipe: g ≈ 0.05, half the batch over-rated times
     its fraction 0.1, and b = 9 give P ≈ 0.37; the 5% gated in this package's shapes-world runs with
     b = 32 give P ≈ 0.8). So β_ours ≈ P·β_GARDO, and ``reference.refresh_kl`` ≈ ``kl_thres``/P
-    (:class:`~lit_flowgrpo.lora.ReferenceSettings` says how the refresh itself differs).
+    (:class:`~lit_flowgrpo.copies.ReferenceSettings` says how the refresh itself differs).
 
     Args:
         proxy: the reward component trained on (a key of the reward's components, e.g. ``shapes_color``).
