@@ -54,6 +54,8 @@ LAYERS: dict[str, int] = {
     # 7: what stands on the module: callbacks, the command line
     "callbacks": 7,
     "cli_diagnosis": 7,
+    "cli_checks": 7,
+    "cli_resume": 7,
     "cli": 7,
     "__init__": 8,
     # the embedded shapes world: a plug-in above the core

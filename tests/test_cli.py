@@ -329,7 +329,7 @@ def test_validate_without_held_out_prompts_is_refused(
 def test_automatic_optimization_flags_name_the_module_flags(
     tiny_sd3_path: str, tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from lit_flowgrpo import cli
+    from lit_flowgrpo import cli_checks as cli
 
     _forbid_instantiation(monkeypatch)
     flags = [

@@ -245,6 +245,23 @@ class FlowPolicy(nn.Module, ABC):
     #: (``FlowGRPOModule.configure_model``, from ``performance.compute_dtype``); ``None``: each network's
     #: own dtype. :meth:`input_dtype` feeds the inputs in it.
     compute_dtype: torch.dtype | None = None
+    #: LoRA rank when ``--model.init_args.lora.rank`` is not given.
+    default_lora_rank: int = 32
+    #: LoRA alpha when ``--model.init_args.lora.alpha`` is not given; ``None``: twice the rank in force.
+    default_lora_alpha: int | None = None
+    #: Where the LoRA export writes the adapters of ``trainable_networks[1:]`` (the first goes to the
+    #: export folder itself); one name per network after the first.
+    lora_subfolders: tuple[str, ...] = ()
+    #: Whether prompts of different lengths are padded and the padding masked in attention (the
+    #: attention kernel is chosen for it).
+    masked_prompts: bool = False
+    #: The latent decoder (a diffusers VAE), registered as a submodule by :meth:`load`; ``None`` for a
+    #: family without one (it decodes in pixel space) or before loading.
+    vae: nn.Module | None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vae = None  # a later `self.vae = module` registers the module in its place (nn.Module)
 
     def input_dtype(self, network: nn.Module) -> torch.dtype:
         """The dtype ``network``'s inputs (latents, timestep, conditioning) are fed in: the compute dtype
@@ -265,6 +282,18 @@ class FlowPolicy(nn.Module, ABC):
         """The denoising networks the update trains, :attr:`transformer` first (one for every family
         but Wan 2.2 A14B, whose two experts each take a part of the noise levels)."""
         return (self.transformer,)
+
+    @property
+    def declared_networks(self) -> int:
+        """How many trainable networks the checkpoint holds, known before :meth:`load` where it can be
+        read (Wan 2.2 A14B: 2); 1 for every family with one transformer."""
+        return 1
+
+    @property
+    def boundary_timestep(self) -> float | None:
+        """The timestep (σ × num_train_timesteps) at which sampling hands over from the first trainable
+        network to the second (Wan 2.2 A14B's experts); ``None`` with one network."""
+        return None
 
     def frame_problems(self, frames: int, flag: str = FRAMES_FLAG) -> list[str]:
         """Problems with a frame count for this family, found before :meth:`load` (empty when fine).
@@ -412,21 +441,23 @@ def latent_shape_of(policy: FlowPolicy, height: int, width: int, frames: int = 1
     """The per-sample latent shape of a sample of ``frames`` frames of ``height`` x ``width`` pixels:
     ``policy.latent_shape(height, width, frames)`` for a video policy, ``(height, width)`` for an image
     policy (whose signature has no frames; one frame is all it draws)."""
-    if getattr(policy, "modality", "image") == "video":
+    if policy.modality == "video":
         return tuple(policy.latent_shape(height, width, frames))  # type: ignore[call-arg]
     if frames != 1:
         raise ValueError(FlowPolicy.frame_problems(policy, frames)[0])
     return tuple(policy.latent_shape(height, width))
 
 
-def reward_modality_problems(policy: Any, reward: Any, flag: str = "--model.init_args.reward") -> list[str]:
+def reward_modality_problems(
+    policy: FlowPolicy, reward: Any, flag: str = "--model.init_args.reward"
+) -> list[str]:
     """The rewards that cannot score what ``policy`` draws (empty when all can).
 
     A reward declares what it scores in ``modalities`` (a set of ``"image"``, ``"video"``); one that
     declares nothing scores images. The components of a :class:`~lit_flowgrpo.rewards.MultiReward`
     (its ``rewards`` mapping) are checked one by one, each by its name.
     """
-    modality = getattr(policy, "modality", "image")
+    modality = policy.modality
     parts = getattr(reward, "rewards", None)
     named = dict(parts) if isinstance(parts, dict) else {type(reward).__name__: reward}
     out = []

@@ -240,9 +240,6 @@ class PackedLatentPolicy(FlowPolicy):
         rows, cols = self._packed_grid(height, width)
         return (rows * cols, int(self.transformer.config.in_channels))
 
-    #: Prompts of different lengths are padded and the padding masked in attention.
-    masked_prompts: bool = False
-
     def attention_shape(self, height: int, width: int) -> AttentionShape:
         # Prompts are padded to max_sequence_length tokens, then the image's packed patches.
         rows, cols = self._packed_grid(height, width)
