@@ -8,8 +8,9 @@ choices nor the fix. After such a failure the CLI reads the same words again, na
 - a class path that does not import: the module that is missing, or the classes the module has,
   with the closest one first (``lit_flowgrpo.policies.SD3Polcy``);
 - an objective by its registered name where a class path is expected (``--model.objective=grpo_guard``);
-- a setting that was removed (``--model.loss``) or is misspelt (``--model.sampler.num_stpes``): the
-  flag that replaced it, or the closest settings of that class;
+- a setting that was removed (``--model.loss``), renamed (DiffusionNFT's ``timestep_fraction``) or is
+  misspelt (``--model.sampler.num_stpes``): the flag that replaced it, or the closest settings of that
+  class;
 - a value outside a setting's fixed choices (a ``Literal``, ``--model.advantage.aggregation=gpdo``):
   the choices, the closest first.
 
@@ -41,6 +42,15 @@ REMOVED_FLAGS = {
     "(e.g. --model.init_args.objective=lit_flowgrpo.objective.GRPOGuard)",
 }
 
+#: Settings that were renamed, by (class path, old name): the new name and what sets it apart.
+RENAMED_SETTINGS = {
+    ("lit_flowgrpo.objective.DiffusionNFT", "timestep_fraction"): (
+        "visit_fraction",
+        "the share of the T rollout sigmas each sample visits; --model.init_args.sampler.timestep_fraction, "
+        "the trained steps of the ratio objectives, is another setting",
+    ),
+}
+
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 _ROOTS = {"trainer": "lightning.pytorch.Trainer"}  # roots whose class is not named by a class_path
 
@@ -70,6 +80,31 @@ def diagnose(words: Sequence[str]) -> list[str]:
             if found:
                 problems.append(found)
     return list(dict.fromkeys(problems))
+
+
+def rename_old_settings(tree: Any) -> list[str]:
+    """Rename, in place, the :data:`RENAMED_SETTINGS` that a saved config or a checkpoint's
+    hyper-parameters still hold under their old name: in every ``{"class_path": ..., "init_args": {...}}``
+    of ``tree`` (dicts and lists, nested). Returns one line per renamed key (empty: nothing was old).
+
+    A checkpoint is a record that cannot be edited the way a YAML can: this lets one written before a
+    rename resume, with the value it was trained with. A key given under both names is left alone, for
+    the parser to refuse."""
+    done: list[str] = []
+    if isinstance(tree, list):
+        for item in tree:
+            done += rename_old_settings(item)
+    if not isinstance(tree, dict):
+        return done
+    path, init_args = tree.get("class_path"), tree.get("init_args")
+    if isinstance(path, str) and isinstance(init_args, dict):
+        for (owner, old), (new, _) in RENAMED_SETTINGS.items():
+            if path == owner and old in init_args and new not in init_args:
+                init_args[new] = init_args.pop(old)
+                done.append(f"{path}: {old} is now {new}")
+    for value in tree.values():
+        done += rename_old_settings(value)
+    return done
 
 
 # -- reading the words naively ----------------------------------------------------------------------
@@ -253,6 +288,13 @@ def _unknown_setting(key: str, class_paths: dict[str, str], value: Any = None) -
             return None
         if name not in names:
             owner = _spelled([*parts[:depth], "_"], class_paths)[:-2]  # the owner's own settings' prefix
+            renamed = RENAMED_SETTINGS.get((f"{cls.__module__}.{cls.__qualname__}", name))
+            if renamed:
+                new, meaning = renamed
+                return (
+                    f"{_spelled(parts, class_paths)} was renamed: {cls.__name__} calls it {owner}.{new} "
+                    f"({meaning})"
+                )
             close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
             hint = f"did you mean {', '.join(f'{owner}.{c}' for c in close)}? " if close else ""
             listed = (

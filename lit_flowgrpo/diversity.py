@@ -13,9 +13,10 @@ Both compare feature vectors: by default :func:`pooled_pixels` (the image averag
 pixels a side, no model to download); any callable ``images -> (B, F) features`` can stand in (a
 CLIP or DINO embedding, with ``distance="cosine"``).
 
-Why a module of its own rather than ``metrics.py``: those metrics read the RL loop's per-sample
-scalars (rewards, log-probs); these read images through a feature hook and carry a reference set,
-and they share nothing with the loop but the exact-reduction machinery, which they import.
+Why a module of its own rather than part of :mod:`lit_flowgrpo.metrics`: those metrics read the RL
+loop's per-sample scalars (rewards, log-probs); these read images through a feature hook and carry a
+reference set, and they share nothing with the loop but the exact-reduction machinery
+(:mod:`lit_flowgrpo.metrics.base`), which they import.
 
 Exact under any ranks: :class:`GroupDiversity` keeps, per group id a rank saw, the row
 (n, mean vector, M2 = Σ‖x − mean‖²), gathered with ``cat`` and merged by id after the gather (Chan,
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lit_flowgrpo.metrics import _check_vector, _DictMetric
+from lit_flowgrpo.metrics import DictMetric, check_vector
 
 __all__ = ["Distance", "GroupDiversity", "ReferenceDrift", "pooled_pixels"]
 
@@ -103,7 +104,7 @@ def _merge_vector_moments(ids: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
     return uniq, torch.cat([n[:, None], mean, m2[:, None]], dim=1)
 
 
-class GroupDiversity(_DictMetric):
+class GroupDiversity(DictMetric):
     r"""Mean pairwise distance between the samples of each group, averaged over the groups.
 
     For a group g of n_g ≥ 2 samples with (prepared) feature vectors x₁ … x_n, mean m and
@@ -151,8 +152,8 @@ class GroupDiversity(_DictMetric):
         self.num_features = num_features
         self.distance = distance
         self.add_state("nonfinite", torch.zeros((), dtype=_F64), dist_reduce_fx="sum")
-        self._add_row_state("group_ids", (), torch.int64)
-        self._add_row_state("group_rows", (num_features + 2,), _F64)  # (n, mean (F), M2)
+        self.add_row_state("group_ids", (), torch.int64)
+        self.add_row_state("group_rows", (num_features + 2,), _F64)  # (n, mean (F), M2)
 
     def update(self, features: Tensor, group_ids: Tensor) -> None:
         """Add this rank's samples.
@@ -162,7 +163,7 @@ class GroupDiversity(_DictMetric):
             group_ids: (N,) integer GLOBAL group id per sample (one id for one group on every rank).
         """
         n = _check_features(features, self.num_features)
-        _check_vector("group_ids", group_ids, n)
+        check_vector("group_ids", group_ids, n)
         if group_ids.dtype.is_floating_point or group_ids.dtype == torch.bool:
             raise ValueError(f"group_ids must be an integer tensor (int64), got {group_ids.dtype}")
         x = _prepared(features, self.distance, self.device)
@@ -179,7 +180,7 @@ class GroupDiversity(_DictMetric):
 
     def compute(self) -> dict[str, Tensor]:
         """``diversity``, ``groups`` and ``nonfinite_count``, as the class docstring defines them."""
-        _, rows = _merge_vector_moments(self._rows("group_ids"), self._rows("group_rows"))
+        _, rows = _merge_vector_moments(self.gathered_rows("group_ids"), self.gathered_rows("group_rows"))
         n, m2 = rows[:, 0], rows[:, -1]
         pairs = n >= 2
         scale = 2.0 / self.num_features if self.distance == "mse" else 1.0
@@ -192,7 +193,7 @@ class GroupDiversity(_DictMetric):
         }
 
 
-class ReferenceDrift(_DictMetric):
+class ReferenceDrift(DictMetric):
     r"""Mean distance of each sample from the reference sample with the same id.
 
     The reference is a fixed set of feature vectors keyed by sample id (:meth:`set_reference`): the
@@ -237,7 +238,7 @@ class ReferenceDrift(_DictMetric):
     def set_reference(self, ids: Tensor, features: Tensor) -> None:
         """Hold ``features`` (R, F) as the reference of the samples ``ids`` (R,), on the CPU."""
         r = _check_features(features)
-        _check_vector("ids", ids, r)
+        check_vector("ids", ids, r)
         order = torch.argsort(ids.detach().cpu())
         sorted_ids = ids.detach().cpu().long()[order]
         if r > 1 and bool((sorted_ids[1:] == sorted_ids[:-1]).any()):
@@ -254,7 +255,7 @@ class ReferenceDrift(_DictMetric):
         if self.reference_ids is None or self.reference_features is None:
             raise ValueError("ReferenceDrift has no reference: call set_reference(ids, features) first")
         n = _check_features(features, self.reference_features.shape[1])
-        _check_vector("ids", ids, n)
+        check_vector("ids", ids, n)
         ids = ids.detach().cpu().long()
         if not len(self.reference_ids):
             self.sums[2] += n

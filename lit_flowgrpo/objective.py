@@ -1,4 +1,5 @@
-"""Policy objectives: Flow-GRPO, both GRPO-Guard forms and Flow-DPPO as small dataclasses behind one interface.
+"""Policy objectives: Flow-GRPO, both GRPO-Guard forms, Flow-DPPO and DiffusionNFT as small dataclasses
+behind one interface.
 
 An objective declares what the update needs of it, and the update loop (:mod:`lit_flowgrpo.update`)
 only asks (STYLE.md 13):
@@ -6,10 +7,13 @@ only asks (STYLE.md 13):
 - :attr:`Objective.records`: what the rollout must record for the loss (the transitions, μ_old), and
   :meth:`Objective.rollout_records` what it records with the diagnostics' needs added;
 - :attr:`Objective.sde_types`: the SDE steps its loss is defined for;
-- :meth:`Objective.visits`: which visits the update makes per micro-batch (today: each trained step);
-- :meth:`Objective.visit`: the loss of one visit;
-- :meth:`Objective.diagnostics`: the metric it logs (:class:`~lit_flowgrpo.metrics.PolicyRatioStats`, or
-  :class:`~lit_flowgrpo.metrics.FlowDPPOStats` for Flow-DPPO).
+- :meth:`Objective.visits`: which visits the update makes per micro-batch (each trained step, or
+  DiffusionNFT's noise levels);
+- :meth:`Objective.visit`: the loss of one visit (its types, :mod:`lit_flowgrpo.visit`, are re-exported here);
+- :meth:`Objective.diagnostics`: the metric it logs (:mod:`lit_flowgrpo.metrics`: ``PolicyRatioStats``,
+  ``FlowDPPOStats`` for Flow-DPPO, ``NFTDiagnostics`` for DiffusionNFT);
+- :meth:`Objective.old_policy_decay`: η of the old policy's refresh after so many optimizer steps
+  (``None``: no old policy); a pure function: an objective holds settings, never run state.
 
 Settings are dataclass fields, so a subclass changes a default in one line and :meth:`settings` is
 ``dataclasses.asdict``. The math is the pure functions of :mod:`lit_flowgrpo.algorithms`; this file
@@ -26,8 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -52,10 +55,18 @@ from lit_flowgrpo.algorithms import (
     ratio_norm_loss,
 )
 from lit_flowgrpo.errors import flag
-from lit_flowgrpo.lora import TrainableWeights
-from lit_flowgrpo.metrics import DiagnosticsSettings, FlowDPPOStats, PolicyRatioStats, clip_range_problems
-from lit_flowgrpo.policies.base import FlowPolicy, index_embeds
+from lit_flowgrpo.metrics import (
+    DiagnosticsSettings,
+    DictMetric,
+    FlowDPPOStats,
+    NFTDiagnostics,
+    PolicyRatioStats,
+    clip_range_problems,
+    resolve_clip_range_high,
+)
+from lit_flowgrpo.policies.base import index_embeds
 from lit_flowgrpo.rollout import Record, RolloutBatch, Sampler, initial_noise, per_sample_generators
+from lit_flowgrpo.visit import ScoredStep, Visit, VisitContext
 
 __all__ = [
     "DiffusionNFT",
@@ -63,7 +74,6 @@ __all__ = [
     "FlowGRPO",
     "GRPOGuard",
     "GRPOGuardRatioNorm",
-    "NFTDiagnostics",
     "Objective",
     "RatioObjective",
     "ScoredStep",
@@ -74,60 +84,6 @@ __all__ = [
 ]
 
 _REGISTRY: dict[str, type[Objective]] = {}
-
-
-@dataclass
-class VisitContext:
-    """What stays fixed over one update: the networks, the CFG scale, the reference timer."""
-
-    policy: FlowPolicy
-    weights: TrainableWeights
-    """The trainable weights (their :meth:`~lit_flowgrpo.lora.TrainableWeights.reference` gives the KL reference)."""
-    guidance: float
-    """CFG scale of the update's forwards (1: the conditional model alone)."""
-    reference_timer: Callable[[], AbstractContextManager[Any]] = nullcontext
-    """Wrapped around the reference forward (the ``ref`` stage's clock)."""
-    measure_reference: bool = False
-    """Run the reference forward and report the KL to it even where the loss does not use it
-    (``kl_coef`` 0; :attr:`~lit_flowgrpo.metrics.DiagnosticsSettings.reference_kl`)."""
-    seed: int = 0
-    """Fixed per (rollout, inner epoch) by the update loop: an objective that draws per visit
-    (DiffusionNFT's noise and noise levels) seeds from it and the sample id, so that a draw does not
-    depend on which micro-batch, rank or resume it falls in."""
-
-
-@dataclass
-class Visit:
-    """What one visit (one micro-batch at one of the objective's visits) computed."""
-
-    loss: Tensor
-    """Scalar: the objective's loss + β·KL (padding rows excluded), differentiable."""
-    pg_loss: Tensor
-    kl: Tensor
-    on_policy_error: Tensor
-    """Scalar: mean |ratio − 1| of the live rows (0 when every row was padding)."""
-    diagnostics: dict[str, Tensor] | None
-    """Keyword arguments of the diagnostics metric's ``update`` (``None`` when every row was padding)."""
-
-
-@dataclass
-class ScoredStep:
-    """One micro-batch of one trained step, scored under the current policy (N live samples)."""
-
-    log_prob: Tensor
-    """(N,) log p_θ of the recorded transitions (differentiable)."""
-    old_log_prob: Tensor
-    """(N,) log p_old recorded at rollout."""
-    advantages: Tensor
-    """(N,) advantages."""
-    prev_sample_mean: Tensor
-    """(N, *latent) μ_θ (differentiable)."""
-    old_prev_sample_mean: Tensor | None
-    """(N, *latent) μ_old, recorded when the objective asked for it (``"means"`` in :attr:`Objective.records`)."""
-    std_dev_t: Tensor
-    """(N,) the step's diffusion coefficient."""
-    sqrt_dt: Tensor
-    """(N,) √|dt| of the step."""
 
 
 class Objective:
@@ -141,8 +97,8 @@ class Objective:
     records: ClassVar[tuple[Record, ...]] = ("transitions",)
     #: The SDE step types whose transition this objective's loss is defined for (empty: any).
     sde_types: ClassVar[tuple[str, ...]] = ()
-    #: Whether the trainable weights keep an old policy (:meth:`TrainableWeights.old`) that the
-    #: rollout samples with and :meth:`after_update` refreshes (DiffusionNFT).
+    #: Whether an old policy is kept (a copy of the trained weights) that the rollout samples with and
+    #: that is soft-updated after each update with :meth:`old_policy_decay`'s η (DiffusionNFT).
     old_policy: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -166,8 +122,10 @@ class Objective:
         (:attr:`VisitContext.measure_reference`)."""
         return []
 
-    def after_update(self, weights: TrainableWeights, policy: FlowPolicy, optimizer_steps: int) -> None:
-        """Called once after each rollout's update, with the optimizer steps taken so far."""
+    def old_policy_decay(self, optimizer_steps: int) -> float | None:
+        """η of the old policy's refresh θ_old ← η·θ_old + (1 − η)·θ after ``optimizer_steps`` optimizer
+        steps; ``None`` for an objective without an old policy (:attr:`old_policy` false)."""
+        return None
 
     def rollout_records(self, diagnostics: DiagnosticsSettings) -> tuple[Record, ...]:
         """What the rollout records: :attr:`records`, plus what the diagnostics ask of it."""
@@ -175,8 +133,8 @@ class Objective:
 
     @property
     def uses_reference(self) -> bool:
-        """Whether a visit runs the reference policy (the KL term is on)."""
-        return False
+        """Whether a visit runs the reference policy (the KL term is on: ``kl_coef`` > 0)."""
+        return self.kl_coef > 0
 
     @property
     def kl_coef(self) -> float:
@@ -195,9 +153,14 @@ class Objective:
         """The metric that :attr:`Visit.diagnostics` updates."""
         raise NotImplementedError
 
-    def diagnostics_values(self, metric: Metric) -> dict[str, float]:
-        """The logged values of the metric (a collective: every rank calls it)."""
-        return {k: float(v) for k, v in metric.compute_prefixed().items()}
+    def diagnostics_values(self, metric: DictMetric, optimizer_steps: int) -> dict[str, float]:
+        """The logged values of the metric (a collective: every rank calls it), after ``optimizer_steps``
+        optimizer steps; everything logged is computed from these two, so logging needs no run state."""
+        return metric.logged_values()
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self).items())  # type: ignore[call-overload]
+        return f"{type(self).__name__}({args})"
 
     def settings(self) -> dict[str, Any]:
         """Plain values for checkpoints and loggers: the dataclass fields and the ``name``."""
@@ -236,14 +199,12 @@ class RatioObjective(Objective):
     kl_coef: float = 0.0  # type: ignore[assignment]
     kl_with_dt: bool = False
 
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self).items())
-        return f"{type(self).__name__}({args})"
-
     @property
     def clip_high(self) -> float:
-        """ε_high resolved: ``clip_range_high``, or ``clip_range`` when that is ``None``."""
-        return self.clip_range if self.clip_range_high is None else self.clip_range_high
+        """ε_high resolved once, here: ``clip_range_high``, or ``clip_range`` when that is ``None``. The
+        losses and the diagnostics get this value; ``clip_range`` is checked by one rule,
+        :func:`~lit_flowgrpo.metrics.clip_range_problems`, in :meth:`problems`."""
+        return resolve_clip_range_high(self.clip_range, self.clip_range_high)
 
     def problems(self, sde_type: str, flag_path: str = "") -> list[str]:
         a = f"{flag_path or flag('objective')}."
@@ -253,10 +214,6 @@ class RatioObjective(Objective):
         if not self.kl_coef >= 0:
             p.append(f"{a}kl_coef ({self.kl_coef}) must be >= 0")
         return p + super().problems(sde_type, flag_path)
-
-    @property
-    def uses_reference(self) -> bool:
-        return self.kl_coef > 0
 
     def sampler_problems(self, sampler: Sampler, *, measure_reference: bool = False) -> list[str]:
         # CPS's last step has σ_next = 0, so its noise σ_next·sin(ηπ/2) is 0 and the KL to the reference,
@@ -312,7 +269,7 @@ class RatioObjective(Objective):
         ref_mean = None
         if self.uses_reference or ctx.measure_reference:
             # Before the θ forward: a full fine-tune's reference swaps in weights the θ graph would save.
-            with ctx.reference_timer(), torch.no_grad(), ctx.weights.reference(policy):
+            with ctx.reference_timer(), torch.no_grad(), ctx.copies.reference():
                 ref_mean = traj.score(policy.velocity(x, sigma, cond, ctx.guidance), j, idx).prev_sample_mean
         step = traj.score(policy.velocity(x, sigma, cond, ctx.guidance), j, idx)
         zero = torch.zeros((), device=x.device)
@@ -360,22 +317,9 @@ class RatioObjective(Objective):
     diagnostics_metric: ClassVar[type[PolicyRatioStats]] = PolicyRatioStats
 
     def diagnostics(self, num_steps: int, settings: DiagnosticsSettings) -> Metric:
-        options = dataclasses.asdict(settings)
-        # What the rollout records and what the visit runs; the metric logs what it is given.
-        del options["step_kl"], options["reference_kl"]
-        return self.diagnostics_metric(
-            clip_range=self.clip_range,
-            clip_range_high=self.clip_high,
-            num_steps=num_steps,
-            **options,
+        return self.diagnostics_metric.from_settings(
+            settings, clip_range=self.clip_range, clip_range_high=self.clip_high, num_steps=num_steps
         )
-
-    def diagnostics_values(self, metric: Metric) -> dict[str, float]:
-        values = super().diagnostics_values(metric)
-        # The k (image, step) pairs of highest KL over all ranks (--model.init_args.diagnostics.top_k_kl).
-        for i, record in enumerate(metric.top_kl_records):
-            values.update({f"actor/top_kl/{i}/{k}": float(v) for k, v in record.items()})
-        return values
 
 
 @dataclass(repr=False)
@@ -390,7 +334,7 @@ class FlowGRPO(RatioObjective):
             scored.old_log_prob,
             scored.advantages,
             clip_range=self.clip_range,
-            clip_range_high=self.clip_range_high,
+            clip_range_high=self.clip_high,
             adv_clip_max=self.adv_clip_max,
         )
 
@@ -417,7 +361,7 @@ class GRPOGuard(RatioObjective):
             scored.std_dev_t,
             scored.sqrt_dt,
             clip_range=self.clip_range,
-            clip_range_high=self.clip_range_high,
+            clip_range_high=self.clip_high,
             adv_clip_max=self.adv_clip_max,
         )
 
@@ -469,7 +413,7 @@ class GRPOGuardRatioNorm(RatioObjective):
             scored.old_log_prob,
             scored.advantages,
             clip_range=self.clip_range,
-            clip_range_high=self.clip_range_high,
+            clip_range_high=self.clip_high,
             adv_clip_max=self.adv_clip_max,
             target_std=self.resolved_target_std,
         )
@@ -570,16 +514,16 @@ class DiffusionNFT(Objective):
     - **Rollout**: sampled with the old policy (a second, slowly averaged copy of the trained weights:
       the reference's ``old`` adapter) and CFG-free (the reference's ``guidance_scale`` 1.0: the
       conditional model is what is trained and sampled); only the final latent x0 is kept.
-    - **Visits**: per micro-batch, K = max(1, ⌊T·timestep_fraction⌋) visits; at visit k a sample
+    - **Visits**: per micro-batch, K = max(1, ⌊T·visit_fraction⌋) visits; at visit k a sample
       sits at the k-th of a per-sample random permutation of the T rollout sigmas
       (:func:`~lit_flowgrpo.algorithms.nft_sample_times`), x_σ = (1 − σ)·x0 + σ·ε with fresh ε seeded
       per (rollout, inner epoch, sample, visit). A visit runs v_old (no grad), v_ref when
       ``kl_coef`` > 0, and v_θ.
     - **Old-policy refresh**: after each rollout's update, θ_old ← η·θ_old + (1 − η)·θ with
-      η = :func:`~lit_flowgrpo.algorithms.nft_old_policy_decay` of the optimizer steps taken so far
-      (Lightning's ``global_step``). A step skipped for a non-finite gradient moves neither θ nor the
-      schedule, since nothing was learnt to average in; the reference skips no step, so the two
-      counts agree wherever none is skipped.
+      η = :meth:`old_policy_decay` of the optimizer steps taken so far (Lightning's ``global_step``;
+      :func:`~lit_flowgrpo.algorithms.nft_old_policy_decay` of :attr:`schedule`). A step skipped for
+      a non-finite gradient moves neither θ nor the schedule, since nothing was learnt to average in;
+      the reference skips no step, so the two counts agree wherever none is skipped.
 
     Args:
         beta: β of the implicit policies (published 1.0; 0.1 in the OCR and multi-reward recipes).
@@ -590,7 +534,10 @@ class DiffusionNFT(Objective):
             :data:`~lit_flowgrpo.algorithms.NFT_DECAY_SCHEDULES` (the reference's default
             ``decay_type`` 1 is ``linear_to_0_5``).
         decay_schedule: ``(delay, rate, cap)`` in place of ``decay``'s.
-        timestep_fraction: the fraction of the T rollout sigmas each sample visits (published 0.99).
+        visit_fraction: the share of the T rollout sigmas each sample visits, K = max(1, ⌊T·fraction⌋)
+            of them, in a random order of its own (the reference's ``timestep_fraction``, published
+            0.99). Not the sampler's ``timestep_fraction``, which chooses the trained steps of the ratio
+            objectives: DiffusionNFT trains on no recorded step.
         adaptive_weight: the reference's per-sample x0 weighting (published on).
         adaptive_weight_min: its floor (published 1e-5).
         kl_coef: the reference's regulariser to the reference policy, kl_coef·mean((v_θ − v_ref)²)
@@ -606,7 +553,7 @@ class DiffusionNFT(Objective):
     adv_mode: NFTRewardMode = "continuous"
     decay: NFTDecay = "linear_to_0_5"
     decay_schedule: tuple[int, float, float] | None = None
-    timestep_fraction: float = 0.99
+    visit_fraction: float = 0.99
     adaptive_weight: bool = True
     adaptive_weight_min: float = 1e-5
     kl_coef: float = 1e-4  # type: ignore[assignment]
@@ -614,11 +561,6 @@ class DiffusionNFT(Objective):
     def __post_init__(self) -> None:
         if self.decay_schedule is not None:
             self.decay_schedule = tuple(self.decay_schedule)  # type: ignore[assignment]  # YAML gives a list
-        self._last_decay = float("nan")
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self).items())
-        return f"{type(self).__name__}({args})"
 
     @property
     def schedule(self) -> tuple[int, float, float]:
@@ -628,10 +570,6 @@ class DiffusionNFT(Objective):
             return int(delay), float(rate), float(cap)
         return NFT_DECAY_SCHEDULES[self.decay]
 
-    @property
-    def uses_reference(self) -> bool:
-        return self.kl_coef > 0
-
     def problems(self, sde_type: str, flag_path: str = "") -> list[str]:
         a = f"{flag_path or flag('objective')}."
         p = []
@@ -639,8 +577,8 @@ class DiffusionNFT(Objective):
             p.append(f"{a}beta ({self.beta}) must be > 0 (DiffusionNFT uses 1.0, or 0.1)")
         if not self.adv_clip_max > 0:
             p.append(f"{a}adv_clip_max ({self.adv_clip_max}) must be > 0 (DiffusionNFT uses 5.0)")
-        if not 0 < self.timestep_fraction <= 1:
-            p.append(f"{a}timestep_fraction ({self.timestep_fraction}) must lie in (0, 1] (published 0.99)")
+        if not 0 < self.visit_fraction <= 1:
+            p.append(f"{a}visit_fraction ({self.visit_fraction}) must lie in (0, 1] (published 0.99)")
         if not self.adaptive_weight_min > 0:
             p.append(f"{a}adaptive_weight_min ({self.adaptive_weight_min}) must be > 0 (published 1e-5)")
         if not self.kl_coef >= 0:
@@ -674,7 +612,7 @@ class DiffusionNFT(Objective):
         schedule = batch.trajectory.schedule
         if schedule is None:
             raise ValueError("DiffusionNFT needs the rollout's sigma schedule (Trajectory.schedule)")
-        return range(max(1, int((len(schedule) - 1) * self.timestep_fraction)))
+        return range(max(1, int((len(schedule) - 1) * self.visit_fraction)))
 
     def _draws(self, ctx: VisitContext, batch: RolloutBatch, idx: Tensor, v: int) -> tuple[Tensor, Tensor]:
         """(σ (N,), ε (N, *latent)) of visit ``v`` to samples ``idx``, each row from its own seeds."""
@@ -689,7 +627,7 @@ class DiffusionNFT(Objective):
                 nft_sample_times(
                     sigmas,
                     1,
-                    timestep_fraction=self.timestep_fraction,
+                    timestep_fraction=self.visit_fraction,
                     generator=torch.Generator().manual_seed(b),
                 )[0, v]
                 for b in base
@@ -709,11 +647,11 @@ class DiffusionNFT(Objective):
         cond = index_embeds(batch.embeds, idx)
         # Guidance 1 in every forward: CFG-free. v_old and v_ref before the θ forward: the old policy
         # is swapped into the adapter's own tensors, which the θ graph saves.
-        with torch.no_grad(), ctx.weights.old(policy):
+        with torch.no_grad(), ctx.copies.old():
             v_old = policy.velocity(x, sigma, cond, 1.0)
         v_ref = None
         if self.uses_reference or ctx.measure_reference:
-            with ctx.reference_timer(), torch.no_grad(), ctx.weights.reference(policy):
+            with ctx.reference_timer(), torch.no_grad(), ctx.copies.reference():
                 v_ref = policy.velocity(x, sigma, cond, 1.0)
         v_theta = policy.velocity(x, sigma, cond, 1.0)
         zero = torch.zeros((), device=x.device)
@@ -744,70 +682,15 @@ class DiffusionNFT(Objective):
         # No ratio to check: DiffusionNFT's off-policy gap is the old deviation, logged as such.
         return Visit(loss, pg_loss, kl, zero, diagnostics)
 
-    def after_update(self, weights: TrainableWeights, policy: FlowPolicy, optimizer_steps: int) -> None:
+    def old_policy_decay(self, optimizer_steps: int) -> float:
         delay, rate, cap = self.schedule
-        self._last_decay = nft_old_policy_decay(optimizer_steps, delay=delay, rate=rate, cap=cap)
-        weights.update_old(policy, self._last_decay)
+        return nft_old_policy_decay(optimizer_steps, delay=delay, rate=rate, cap=cap)
 
     def diagnostics(self, num_steps: int, settings: DiagnosticsSettings) -> Metric:
         return NFTDiagnostics()
 
-    def diagnostics_values(self, metric: Metric) -> dict[str, float]:
-        values = super().diagnostics_values(metric)
-        values["actor/nft_old_decay"] = self._last_decay  # η of the refresh after this update
+    def diagnostics_values(self, metric: DictMetric, optimizer_steps: int) -> dict[str, float]:
+        values = super().diagnostics_values(metric, optimizer_steps)
+        # η of the refresh after the update that reached optimizer_steps: recomputed, not remembered.
+        values["actor/nft_old_decay"] = self.old_policy_decay(optimizer_steps)
         return values
-
-
-class NFTDiagnostics(Metric):
-    """Means of DiffusionNFT's per-sample statistics (:class:`~lit_flowgrpo.algorithms.NFTStats`) over
-    every (sample, visit) of an update, from sums and a count, so 1 rank and N ranks agree exactly.
-
-    Logged as ``actor/nft_<stat>``: ``r_mean`` (mean optimality probability; 1/2 is no preference),
-    ``positive_loss``/``negative_loss`` (the implicit policies' weighted x0 losses),
-    ``positive_error``/``negative_error`` (their unweighted velocity errors mean((v± − v)²)),
-    ``old_deviation`` (mean((v_θ − v_old)²): how far θ moved from the old policy), ``loss``.
-
-    >>> m = NFTDiagnostics()
-    >>> one = torch.ones(2)
-    >>> m.update(r=torch.tensor([0.0, 1.0]), positive_loss=one, negative_loss=one, loss=one,
-    ...          positive_error=one, negative_error=one, old_deviation=torch.zeros(2))
-    >>> float(m.compute_prefixed()["actor/nft_r_mean"])
-    0.5
-    """
-
-    full_state_update = False
-    is_differentiable = False
-    higher_is_better = None
-    STATS: ClassVar[tuple[str, ...]] = (
-        "r",
-        "positive_loss",
-        "negative_loss",
-        "loss",
-        "positive_error",
-        "negative_error",
-        "old_deviation",
-    )
-
-    def __init__(self, prefix: str = "actor/nft_") -> None:
-        super().__init__()
-        self.prefix = prefix
-        for name in self.STATS:
-            self.add_state(f"sum_{name}", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("count", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
-
-    def update(self, **stats: Tensor) -> None:  # type: ignore[override]
-        if set(stats) != set(self.STATS):
-            raise ValueError(f"NFTDiagnostics.update takes {list(self.STATS)}, got {sorted(stats)}")
-        for name in self.STATS:
-            state = getattr(self, f"sum_{name}")
-            setattr(self, f"sum_{name}", state + stats[name].detach().double().sum())
-        self.count = self.count + stats["r"].numel()
-
-    def compute(self) -> dict[str, Tensor]:
-        n = self.count.clamp_min(1)
-        out = {name: getattr(self, f"sum_{name}") / n for name in self.STATS}
-        out["r_mean"] = out.pop("r")
-        return out
-
-    def compute_prefixed(self) -> dict[str, Tensor]:
-        return {self.prefix + k: v for k, v in self.compute().items()}

@@ -44,10 +44,10 @@ LAYERS: dict[str, int] = {
     "copies": 3,
     # 4: the trained weights; from rewards to advantages
     "weights": 4,
-    "lora": 4,  # until the split into weights.py and copies.py
     "advantages": 4,
     # 5: objectives and the update loop
     "objective": 5,
+    "visit": 5,
     "update": 5,
     # 6: the LightningModule
     "module": 6,

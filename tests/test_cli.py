@@ -542,3 +542,52 @@ def test_clip_range_from_yaml_reaches_its_one_owner(tiny_sd3_path: str, tmp_path
     )
     assert "--model.init_args.objective.init_args.clip_range (0.0) must lie in (0, 1)" in text
     assert text.count("clip_range (0.0)") == 1
+
+
+@pytest.mark.parametrize("where", ["yaml", "command_line"])
+def test_nft_timestep_fraction_is_refused_with_its_new_name(
+    where: str, tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DiffusionNFT's ``timestep_fraction`` is ``visit_fraction`` now (the sampler's keeps its name and
+    meaning): an old YAML or command line fails before anything is built, naming the new key."""
+    from cli_helpers import load_shipped
+
+    _forbid_instantiation(monkeypatch)
+    config = load_shipped("quickstart_nft")
+    objective = config["model"]["init_args"]["objective"]["init_args"]
+    flags = []
+    if where == "yaml":
+        objective["timestep_fraction"] = objective.pop("visit_fraction")
+    else:
+        flags = ["--model.init_args.objective.init_args.timestep_fraction=0.3"]
+    path = tmp_path / "old_nft.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    text = _main_error(["fit", "--config", str(path), *flags], capfd)
+    assert (
+        "--model.init_args.objective.init_args.timestep_fraction was renamed: DiffusionNFT calls it "
+        "--model.init_args.objective.init_args.visit_fraction (the share of the T rollout sigmas each "
+        "sample visits" in text
+    )
+    assert "Does not validate against any of the Union subtypes" not in text
+
+
+def test_a_checkpoint_written_before_the_rename_gets_the_new_key() -> None:
+    """The module's hyper-parameters as a checkpoint written before the rename holds them: the old key is
+    renamed with its value, once, and nothing else moves."""
+    from lit_flowgrpo.cli_diagnosis import rename_old_settings
+    from lit_flowgrpo.objective import DiffusionNFT
+
+    saved = DiffusionNFT(visit_fraction=0.5, kl_coef=0.0).hparams()
+    saved["init_args"]["timestep_fraction"] = saved["init_args"].pop("visit_fraction")
+    hparams = {
+        "_class_path": "lit_flowgrpo.FlowGRPOModule",
+        "sampler": {"num_steps": 10, "timestep_fraction": 0.99},  # the sampler's own: left alone
+        "objective": saved,
+        "callbacks": [{"class_path": "lit_flowgrpo.objective.DiffusionNFT", "init_args": {"beta": 0.1}}],
+    }
+    assert rename_old_settings(hparams) == [
+        "lit_flowgrpo.objective.DiffusionNFT: timestep_fraction is now visit_fraction"
+    ]
+    assert DiffusionNFT(**hparams["objective"]["init_args"]) == DiffusionNFT(visit_fraction=0.5, kl_coef=0.0)
+    assert hparams["sampler"] == {"num_steps": 10, "timestep_fraction": 0.99}
+    assert rename_old_settings(hparams) == []  # already new

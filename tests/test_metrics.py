@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import doctest
+import importlib
 import math
+import pkgutil
 
 import numpy as np
 import pytest
@@ -478,8 +480,20 @@ def test_cuda_states_match_cpu() -> None:
 
 
 def test_doctests_pass() -> None:
-    result = doctest.testmod(metrics_module, optionflags=doctest.ELLIPSIS)
-    assert result.attempted >= 10 and result.failed == 0
+    # The package's files, each with its own doctests (doctest.testmod reads one module's own objects).
+    attempted = failed = 0
+    for info in pkgutil.iter_modules(metrics_module.__path__):
+        module = importlib.import_module(f"{metrics_module.__name__}.{info.name}")
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        attempted, failed = attempted + result.attempted, failed + result.failed
+    assert attempted >= 10 and failed == 0
+
+
+@pytest.mark.parametrize("file", ["base", "rewards", "policy", "nft"])
+def test_the_package_re_exports_every_public_name(file: str) -> None:
+    module = importlib.import_module(f"{metrics_module.__name__}.{file}")
+    for name in module.__all__:  # `from lit_flowgrpo.metrics import X` whichever file X lives in
+        assert getattr(metrics_module, name) is getattr(module, name) and name in metrics_module.__all__, name
 
 
 @pytest.mark.filterwarnings("ignore:.*configure_optimizers.*returned `None`")

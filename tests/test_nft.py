@@ -11,7 +11,8 @@ from test_module import lora_state, make_data, make_module, make_trainer
 
 from lit_flowgrpo.algorithms import nft_loss, nft_old_policy_decay, nft_reward_probability
 from lit_flowgrpo.errors import SettingsError
-from lit_flowgrpo.objective import DiffusionNFT, VisitContext, build_objective
+from lit_flowgrpo.metrics import DiagnosticsSettings
+from lit_flowgrpo.objective import DiffusionNFT, FlowGRPO, Objective, VisitContext, build_objective
 
 
 def nft_module(path: str, **overrides):
@@ -23,7 +24,7 @@ def nft_module(path: str, **overrides):
 def test_registered_with_published_defaults():
     nft = build_objective("diffusion_nft")
     assert isinstance(nft, DiffusionNFT)
-    assert (nft.beta, nft.adv_clip_max, nft.timestep_fraction, nft.kl_coef) == (1.0, 5.0, 0.99, 1e-4)
+    assert (nft.beta, nft.adv_clip_max, nft.visit_fraction, nft.kl_coef) == (1.0, 5.0, 0.99, 1e-4)
     assert nft.schedule == (0, 1e-3, 0.5)  # the reference's decay_type 1
     assert nft.records == () and nft.old_policy
 
@@ -38,7 +39,7 @@ def test_one_step_trains_the_adapter_and_refreshes_the_old_policy(tiny_sd3_path,
 
     def rollout(*args, **kwargs):  # what the rollout is asked to record, and the old policy at the start
         seen["record"] = kwargs["record"]
-        seen["old"] = module.weights.old_state_dict(module.policy)
+        seen["old"] = module.copies.old_policy.state_dict()
         traj, images = original(*args, **kwargs)
         seen["traj"] = traj
         return traj, images
@@ -64,7 +65,7 @@ def test_one_step_trains_the_adapter_and_refreshes_the_old_policy(tiny_sd3_path,
     assert any(not torch.equal(after[k], before[k]) for k in before), "the adapter did not move"
     # After the update: θ_old = η·θ_old + (1 − η)·θ with η of the 2 optimizer steps taken.
     eta = nft_old_policy_decay(2, delay=0, rate=1e-3, cap=0.5)
-    old = module.weights.old_state_dict(module.policy)
+    old = module.copies.old_policy.state_dict()
     for n, k in zip(start, before, strict=True):
         want = before[k] * eta + after[k] * (1 - eta)  # the update's own order of operations: exact
         assert torch.equal(old[n], want), n
@@ -85,7 +86,7 @@ def test_visit_loss_is_nft_loss_on_the_same_tensors(tiny_sd3_path):
     batch = RolloutBatch(
         traj, embeds, torch.tensor([1.5, -0.5]), torch.tensor([0, 1]), torch.ones(2, dtype=torch.bool)
     )
-    ctx = VisitContext(policy, module.weights, 1.0, seed=11)
+    ctx = VisitContext(policy, module.copies, 1.0, seed=11)
     idx = torch.tensor([0, 1])
     out = nft.visit(ctx, batch, idx, 2, 1)
     again = nft.visit(ctx, batch, idx.flip(0), 2, 1)  # a row's draws do not depend on its place
@@ -117,8 +118,8 @@ def test_resume_is_exact(tiny_sd3_path, prompt_file, tmp_path):
     resumed, _ = run("c", 4, ckpt_path=ckpt)
     a, b = lora_state(straight), lora_state(resumed)
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
-    old_a = straight.weights.old_state_dict(straight.policy)
-    old_b = resumed.weights.old_state_dict(resumed.policy)
+    old_a = straight.copies.old_policy.state_dict()
+    old_b = resumed.copies.old_policy.state_dict()
     assert [k for k in old_a if not torch.equal(old_a[k], old_b[k])] == []
 
 
@@ -130,7 +131,7 @@ def test_full_finetune(tiny_sd3_path, prompt_file, tmp_path):
     trainer.fit(module, datamodule=make_data(prompt_file))
     after = dict(module.policy.transformer.named_parameters())
     assert any(not torch.equal(after[k], before[k]) for k in before)
-    old = module.weights.old_network.state_dict()
+    old = module.copies.old_policy.network.state_dict()
     eta = nft_old_policy_decay(2, rate=1e-3, cap=0.5)
     for k in before:  # the update's own order of operations (one blend): exact
         assert torch.equal(old[k], before[k] * eta + after[k].detach() * (1 - eta)), k
@@ -145,7 +146,10 @@ def test_full_finetune(tiny_sd3_path, prompt_file, tmp_path):
         (dict(guidance_scale=4.5), "sampler.guidance_scale (4.5) must be 1"),
         (dict(objective=DiffusionNFT(decay_schedule=(0, 1e-3, 1.0))), "objective.init_args.decay_schedule"),
         (dict(objective=DiffusionNFT(beta=0.0)), "objective.init_args.beta (0.0) must be > 0"),
-        (dict(objective=DiffusionNFT(timestep_fraction=0.0)), "objective.init_args.timestep_fraction"),
+        (
+            dict(objective=DiffusionNFT(visit_fraction=0.0)),
+            "objective.init_args.visit_fraction (0.0) must lie in (0, 1]",
+        ),
         (dict(objective=DiffusionNFT(), lora=None), "reference_copy=true"),
     ],
 )
@@ -161,6 +165,35 @@ def test_settings_round_trip():
     nft = DiffusionNFT(decay_schedule=[75, 7.5e-3, 0.999])
     assert nft.schedule == (75, 7.5e-3, 0.999)
     assert DiffusionNFT(**dataclasses.asdict(nft)).schedule == nft.schedule
+
+
+@pytest.mark.parametrize(
+    "decay", [dict(), dict(decay="delayed_linear_to_0_999"), dict(decay_schedule=(3, 0.1, 0.9))]
+)
+def test_old_policy_decay_is_a_function_of_the_steps(decay):
+    """η comes from the optimizer steps alone: the objective keeps no run state, and logging recomputes
+    the η that the refresh used instead of remembering it."""
+    nft = DiffusionNFT(**decay)
+    delay, rate, cap = nft.schedule
+    before = dataclasses.asdict(nft), dict(vars(nft))
+    for steps in (0, 2, 5, 80, 10_000):
+        want = nft_old_policy_decay(steps, delay=delay, rate=rate, cap=cap)
+        assert nft.old_policy_decay(steps) == want
+        metric = nft.diagnostics(3, DiagnosticsSettings())
+        one = torch.ones(2)
+        metric.update(**{name: one for name in metric.STATS})
+        values = nft.diagnostics_values(metric, steps)
+        assert values["actor/nft_old_decay"] == want and values["actor/nft_r_mean"] == 1.0
+        assert nft.diagnostics_values(metric, steps) == values  # asking twice changes nothing
+    assert (dataclasses.asdict(nft), dict(vars(nft))) == before
+    assert not hasattr(Objective, "after_update") and not hasattr(nft, "_last_decay")
+    assert FlowGRPO().old_policy_decay(5) is None and not FlowGRPO.old_policy
+
+
+def test_nft_diagnostics_live_beside_the_other_metrics():
+    from lit_flowgrpo.metrics import NFTDiagnostics
+
+    assert isinstance(DiffusionNFT().diagnostics(3, DiagnosticsSettings()), NFTDiagnostics)
 
 
 def test_quickstart_nft_runs_shortened(tmp_path):

@@ -96,6 +96,44 @@ def test_clip_range_has_one_rule_for_the_objective_and_the_metric() -> None:
         PolicyRatioStats(clip_range=0.1, clip_range_high=float("inf"))
 
 
+@pytest.mark.parametrize(
+    ("cls", "loss"),
+    [(FlowGRPO, "flow_grpo_loss"), (GRPOGuard, "grpo_guard_loss"), (GRPOGuardRatioNorm, "ratio_norm_loss")],
+)
+@pytest.mark.parametrize(("high", "want"), [(None, 0.2), (0.3, 0.3)])
+def test_the_losses_get_the_resolved_clip_range_high(cls, loss, high, want, monkeypatch) -> None:
+    """ε_high is resolved once, by the objective: the loss is handed a number, never ``None``."""
+    import lit_flowgrpo.objective as objective_module
+    from lit_flowgrpo.objective import ScoredStep
+
+    seen = {}
+    real = getattr(objective_module, loss)
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(objective_module, loss, spy)
+    zero, one, means = torch.zeros(3), torch.ones(3), torch.zeros(3, 2)
+    scored = ScoredStep(zero, zero, one, means, means, one, one)
+    cls(clip_range=0.2, clip_range_high=high).policy_loss(scored)
+    assert seen["clip_range_high"] == want and isinstance(seen["clip_range_high"], float)
+    metric = cls(clip_range=0.2, clip_range_high=high).diagnostics(2, DiagnosticsSettings())
+    assert (metric.clip_range, metric.clip_range_high) == (0.2, want)
+    assert PolicyRatioStats(clip_range=0.2, clip_range_high=high).clip_range_high == want  # the same rule
+
+
+def test_logged_values_carry_the_top_kl_records() -> None:
+    objective = FlowGRPO(clip_range=0.1)
+    metric = objective.diagnostics(2, DiagnosticsSettings(top_k_kl=2))
+    new = torch.log(torch.tensor([1.2, 0.9, 1.0]))
+    metric.update(new, torch.zeros(3), torch.ones(3), step=torch.tensor([0, 1, 1]), sample_id=torch.arange(3))
+    values = objective.diagnostics_values(metric, 7)
+    assert values["actor/top_kl/0/kl"] == values["actor/kl_max"] >= values["actor/top_kl/1/kl"]
+    assert values["actor/top_kl/0/sample_id"] == 0.0 and "actor/top_kl/2/kl" not in values
+    assert all(isinstance(v, float) for v in values.values())
+
+
 def test_guard_refuses_a_step_it_cannot_score() -> None:
     (problem,) = GRPOGuard().problems("cps")
     assert problem.startswith(

@@ -1,46 +1,26 @@
-"""RL diagnostics as ``torchmetrics.Metric`` subclasses, exact under any number of ranks and micro-batches.
-
-Two metrics cover one training step:
-
-- :class:`RewardGroupStats`: rewards, per-group spread and advantages of one rollout batch
-  (logged as ``critic/rewards/...`` and ``critic/advantages/...``);
-- :class:`PolicyRatioStats`: importance ratio, clip fractions and KL of the policy update, where one
-  "token" is an (image, denoising step) pair (logged as ``actor/...``), optionally per denoising step.
-
-Every state is a sufficient statistic (Σx, Σx², n, max, min, counts) reduced across ranks with sum, max
-or min, or a row of per-group (per-trajectory) sufficient statistics, (n, mean, Σ(x − mean)², max, min)
-or sums, gathered with ``cat`` and merged by id after the gather. Hence the result on N ranks equals the result of one process on the same data, and
-any micro-batch split gives the same numbers, up to floating-point summation order (fp64 states).
-
-Logging with Lightning: ``self.log(name, metric)`` needs a metric whose ``compute()`` is one scalar
-tensor, and these return a dict of them, so the module logs the synced values and resets the state::
-
-    self.log_dict(self.ratio_stats.compute_prefixed(), on_step=True, on_epoch=False)
-    self.ratio_stats.reset()
-
-``compute()`` gathers the states of all ranks itself (torchmetrics' ``sync_on_compute``), so every rank
-gets identical global values and ``sync_dist`` must stay off; every rank must call ``compute()`` at the
-same point (it is a collective). ``MetricCollection([metric], prefix=...)`` flattens the dicts too.
-"""
+"""The policy update's statistics, per (image, denoising step) token: importance ratio, clip fractions,
+KL and entropy (:class:`PolicyRatioStats`, ``actor/...``), Flow-DPPO's trust-region mask on top
+(:class:`FlowDPPOStats`), their options (:class:`DiagnosticsSettings`), and the one rule of the clip
+interval (1 − ε, 1 + ε_high) that the objectives and these metrics share."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
-from torchmetrics.utilities.distributed import gather_all_tensors
+
+from lit_flowgrpo.metrics.base import DictMetric, check_vector, sum_by_id
 
 __all__ = [
     "DiagnosticsSettings",
     "FlowDPPOStats",
     "PolicyRatioStats",
-    "RewardGroupStats",
     "clip_range_problems",
+    "resolve_clip_range_high",
 ]
 
 _F64 = torch.float64
@@ -63,312 +43,11 @@ def clip_range_problems(clip_range: float, clip_range_high: float | None, prefix
     return p
 
 
-def _sum_by_id(ids: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
-    """Sum the rows (m, F) that share an id; returns the sorted unique ids and the (G, F) sums."""
-    uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
-    sums = torch.zeros((uniq.numel(), rows.shape[1]), dtype=rows.dtype, device=rows.device)
-    return uniq, sums.index_add_(0, inv, rows)
-
-
-def _merge_moments(ids: Tensor, moments: Tensor) -> tuple[Tensor, Tensor]:
-    """Merge rows of (n, mean, M2, max, min) that share an id, M2 = Σ(x − mean)².
-
-    The parts' means and M2 combine as in Chan, Golub & LeVeque (1979), generalised to many parts:
-    n = Σ nᵢ, mean = Σ nᵢ·meanᵢ / n, M2 = Σ M2ᵢ + Σ nᵢ·(meanᵢ − mean)². Unlike Σx² − n·mean², this
-    keeps the digits of a spread that is small next to the mean. Rows with one sample are (1, x, 0, x, x).
-    Returns the sorted unique ids and the merged (G, 5) rows.
-    """
-    uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
-    groups = uniq.numel()
-    n_i, mean_i, m2_i, max_i, min_i = moments.unbind(dim=1)
-    n = torch.zeros(groups, dtype=moments.dtype, device=moments.device).index_add_(0, inv, n_i)
-    mean = torch.zeros_like(n).index_add_(0, inv, n_i * mean_i) / n
-    m2 = torch.zeros_like(n).index_add_(0, inv, m2_i + n_i * (mean_i - mean[inv]) ** 2)
-    mx = torch.full_like(n, -math.inf).scatter_reduce_(0, inv, max_i, reduce="amax")
-    mn = torch.full_like(n, math.inf).scatter_reduce_(0, inv, min_i, reduce="amin")
-    return uniq, torch.stack([n, mean, m2, mx, mn], dim=1)
-
-
-def _check_vector(name: str, value: Any, length: int | None = None) -> int:
-    """Check that ``value`` is a 1-D tensor (of ``length`` when given) and return its length."""
-    if not isinstance(value, Tensor):
-        raise ValueError(f"{name} must be a 1-D torch.Tensor, got {type(value).__name__}")
-    if value.ndim != 1 or (length is not None and value.shape[0] != length):
-        expected = "(N,)" if length is None else f"({length},)"
-        raise ValueError(
-            f"{name} has shape {tuple(value.shape)}, expected {expected}: pass one value per sample "
-            "(reduce per-element tensors to one value per sample before the update)"
-        )
-    return value.shape[0]
-
-
-class _DictMetric(Metric):
-    """A metric whose ``compute()`` is a flat ``{key: scalar tensor}`` and whose keys get ``prefix``.
-
-    Subclasses register row states with :meth:`_add_row_state`: lists of (m, *shape) tensors gathered
-    with ``cat``. A rank that holds no rows would send torchmetrics' 1-D float32 placeholder, which does
-    not match the other ranks' rows in shape or dtype (a wrong gather or a hang), so the sync first puts
-    in an empty tensor of the right shape and dtype.
-    """
-
-    full_state_update = False
-    is_differentiable = False
-    higher_is_better = None
-
-    def __init__(self, prefix: str) -> None:
-        super().__init__()
-        if not isinstance(prefix, str):
-            raise ValueError(f"prefix must be a string such as 'actor/', got {prefix!r}")
-        self.prefix = prefix
-        self._row_states: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-
-    def _add_row_state(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        self.add_state(name, default=[], dist_reduce_fx="cat")
-        self._row_states[name] = (shape, dtype)
-
-    def _rows(self, name: str) -> Tensor:
-        shape, dtype = self._row_states[name]
-        parts = getattr(self, name)
-        if isinstance(parts, Tensor):  # inside compute() after a sync: the gathered rows, concatenated
-            return parts
-        if not parts:
-            return torch.zeros((0, *shape), dtype=dtype, device=self.device)
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-    def _sync_dist(
-        self, dist_sync_fn: Callable = gather_all_tensors, process_group: Any | None = None
-    ) -> None:
-        for name, (shape, dtype) in self._row_states.items():
-            if not getattr(self, name):
-                setattr(self, name, [torch.zeros((0, *shape), dtype=dtype, device=self.device)])
-        super()._sync_dist(dist_sync_fn, process_group)
-
-    def _prefixed_key(self, key: str) -> str:
-        return self.prefix + key
-
-    def compute_prefixed(self) -> dict[str, Tensor]:
-        """``compute()`` with every key under its logged name (``prefix`` + key)."""
-        return {self._prefixed_key(k): v for k, v in self.compute().items()}
-
-
-class RewardGroupStats(_DictMetric):
-    r"""Rewards, their spread within prompt groups, and the advantages of one rollout batch.
-
-    Formulas, over the samples whose reward is finite (population statistics, ddof = 0, the same
-    convention as the advantage's std):
-
-    - ``mean``, ``std``, ``max``, ``min``: of the rewards; ``count``: how many there were;
-      ``nonfinite_count``: samples whose reward was NaN/inf (excluded from everything, never scored).
-    - per group g (the samples that share a group id, wherever they ran): n_g, μ_g = Σr/n_g,
-      s_g = sqrt(Σ(r − μ_g)²/n_g), and s_g = 0 exactly when the group's max equals its min.
-    - ``zero_std_ratio`` = #{g : s_g ≤ tol} / G. With ``tol = 0`` the test is exact (max_g == min_g),
-      not a rounded variance. Such groups (a group of one included) give zero advantage: no signal.
-    - ``std_mean`` = mean_g s_g; ``group_size`` = mean_g n_g; ``num_groups`` = G.
-    - ``<component>/mean``: mean of each reward component over its own finite values.
-    - ``advantages/{mean,std,max,min}`` of the advantages, and ``advantages/effective_ratio`` =
-      #{|A| > adv_threshold} / count: the fraction of the batch that carries a gradient.
-
-    Reading it: ``zero_std_ratio`` near 1 means the reward cannot tell a group's images apart (saturated
-    or too coarse); ``std_mean`` falling toward 0 means the groups collapse to one answer.
-
-    Logged names (``compute_prefixed``): ``critic/rewards/<key>`` for reward keys and
-    ``critic/advantages/<stat>`` for the ``advantages/<stat>`` keys (veRL's names).
-
-    Exact groups across ranks: each rank reduces its own samples to one row per group id it saw,
-    (n, mean, Σ(r − mean)², max, min), kept in a ``cat`` state. After the gather, rows with the same id
-    are merged (Chan et al.'s combination of moments, max, min), which is exact whatever the split of a
-    group over ranks or micro-batches. This needs
-    no ``num_groups`` argument and no agreement on the largest id (sum-reduced per-group tensors would
-    need equal shapes on every rank); its size is the number of groups a rank saw, not the batch size.
-
-    Args:
-        tol: a group counts in ``zero_std_ratio`` when its std is at most ``tol``; 0 means exactly equal
-            rewards.
-        adv_threshold: a sample is effective when ``|advantage| > adv_threshold``.
-        prefix: prefix of the reward keys in :meth:`compute_prefixed`.
-        advantages_prefix: prefix that replaces ``advantages/`` in :meth:`compute_prefixed`.
-        components: reward component names, declared up front. When empty, the names of the first
-            update that passes ``components`` are registered then; every rank must then make that
-            update (empty tensors are fine) with the same names, or the ranks' states do not match.
-
-    Example:
-        >>> metric = RewardGroupStats()
-        >>> rewards = torch.tensor([1.0, 3.0, 2.0, 2.0, float("nan")])
-        >>> group_ids = torch.tensor([0, 0, 1, 1, 1])
-        >>> advantages = torch.tensor([-1.0, 1.0, 0.0, 0.0, 0.0])
-        >>> metric.update(rewards, group_ids, advantages)
-        >>> out = metric.compute()
-        >>> [round(float(out[k]), 4) for k in ("mean", "std", "zero_std_ratio", "std_mean", "nonfinite_count")]
-        [2.0, 0.7071, 0.5, 0.5, 1.0]
-        >>> float(out["advantages/effective_ratio"])
-        0.5
-        >>> sorted(metric.compute_prefixed())[:2]
-        ['critic/advantages/effective_ratio', 'critic/advantages/max']
-    """
-
-    def __init__(
-        self,
-        tol: float = 0.0,
-        adv_threshold: float = 1e-6,
-        prefix: str = "critic/rewards/",
-        advantages_prefix: str = "critic/advantages/",
-        components: Sequence[str] = (),
-    ) -> None:
-        super().__init__(prefix)
-        if not (tol >= 0.0 and math.isfinite(tol)):
-            raise ValueError(f"tol ({tol}) must be a finite number >= 0: 0 counts only exactly equal rewards")
-        if not (adv_threshold >= 0.0 and math.isfinite(adv_threshold)):
-            raise ValueError(f"adv_threshold ({adv_threshold}) must be a finite number >= 0, e.g. 1e-6")
-        if not isinstance(advantages_prefix, str):
-            raise ValueError(
-                f"advantages_prefix must be a string such as 'critic/advantages/', got {advantages_prefix!r}"
-            )
-        self.tol = float(tol)
-        self.adv_threshold = float(adv_threshold)
-        self.advantages_prefix = advantages_prefix
-        self.component_names: list[str] | None = None
-
-        self.add_state("nonfinite", torch.zeros((), dtype=_F64), dist_reduce_fx="sum")
-        # advantage sums: (n, ΣA, ΣA², #|A|>τ)
-        self.add_state("adv_sums", torch.zeros(4, dtype=_F64), dist_reduce_fx="sum")
-        self.add_state("adv_max", torch.tensor(-math.inf, dtype=_F64), dist_reduce_fx="max")
-        self.add_state("adv_min", torch.tensor(math.inf, dtype=_F64), dist_reduce_fx="min")
-        self._add_row_state("group_ids", (), torch.int64)
-        # per-group rows: (n, mean, M2, max, min), M2 = Σ(r − mean)²
-        self._add_row_state("group_rows", (5,), _F64)
-        if components:
-            self._register_components(components)
-
-    def _register_components(self, names: Sequence[str]) -> None:
-        if isinstance(names, str) or len(set(names)) != len(names):
-            raise ValueError(f"components must be a list of distinct names, got {names!r}")
-        self.component_names = sorted(names)
-        # per-component sums: rows (n, Σc)
-        self.add_state("comp_sums", torch.zeros((len(names), 2), dtype=_F64), dist_reduce_fx="sum")
-        self.comp_sums = self.comp_sums.to(self.device)  # registered after .to(device) perhaps
-
-    def forward(
-        self,
-        rewards: Tensor,
-        group_ids: Tensor,
-        advantages: Tensor,
-        components: Mapping[str, Tensor] | None = None,
-    ) -> dict[str, Tensor]:
-        """Update with this batch and return the batch's own statistics (torchmetrics' ``forward``)."""
-        # forward() merges the batch's states into the saved ones, so they must exist before it saves them
-        if components and self.component_names is None:
-            self._register_components(list(components))
-        return super().forward(rewards, group_ids, advantages, components)
-
-    def update(
-        self,
-        rewards: Tensor,
-        group_ids: Tensor,
-        advantages: Tensor,
-        components: Mapping[str, Tensor] | None = None,
-    ) -> None:
-        """Add this rank's samples.
-
-        Args:
-            rewards: (N,) total reward per sample; non-finite values are excluded and counted.
-            group_ids: (N,) int64 GLOBAL group id per sample (the same id on every rank for one group).
-            advantages: (N,) advantage per sample; must be finite wherever the reward is.
-            components: optional ``{name: (N,)}`` reward components; each is averaged over its own
-                finite values.
-        """
-        n = _check_vector("rewards", rewards)
-        _check_vector("group_ids", group_ids, n)
-        _check_vector("advantages", advantages, n)
-        if group_ids.dtype.is_floating_point or group_ids.dtype == torch.bool or group_ids.is_complex():
-            raise ValueError(f"group_ids must be an integer tensor (int64), got {group_ids.dtype}")
-
-        rewards = rewards.detach().to(self.device, _F64)
-        group_ids = group_ids.detach().to(self.device, torch.int64)
-        advantages = advantages.detach().to(self.device, _F64)
-        finite = torch.isfinite(rewards)
-        self.nonfinite += (~finite).sum()
-
-        r, ids, adv = rewards[finite], group_ids[finite], advantages[finite]
-        if not bool(torch.isfinite(adv).all()):
-            raise ValueError(
-                "advantages has non-finite values for samples whose reward is finite: the advantage "
-                "computation must give every scored sample a finite advantage"
-            )
-        if r.numel():
-            samples = torch.stack([torch.ones_like(r), r, torch.zeros_like(r), r, r], dim=1)
-            uniq, moments = _merge_moments(ids, samples)
-            self.group_ids.append(uniq)
-            self.group_rows.append(moments)
-            effective = (adv.abs() > self.adv_threshold).to(_F64)
-            self.adv_sums += torch.stack([torch.ones_like(adv), adv, adv * adv, effective], dim=1).sum(dim=0)
-            self.adv_max = torch.maximum(self.adv_max, adv.max())
-            self.adv_min = torch.minimum(self.adv_min, adv.min())
-
-        if components:
-            if self.component_names is None:
-                self._register_components(list(components))
-            unknown = sorted(set(components) - set(self.component_names or []))
-            if unknown:
-                raise ValueError(
-                    f"components {unknown} are not among the registered components {self.component_names}: "
-                    "declare every name with RewardGroupStats(components=[...]) or pass the same names at "
-                    "every update"
-                )
-            for i, name in enumerate(self.component_names or []):
-                if name not in components:
-                    continue
-                value = components[name]
-                _check_vector(f"components[{name!r}]", value, n)
-                value = value.detach().to(self.device, _F64)
-                ok = torch.isfinite(value)
-                self.comp_sums[i, 0] += ok.sum()
-                self.comp_sums[i, 1] += value[ok].sum()
-
-    def compute(self) -> dict[str, Tensor]:
-        """The statistics described in the class docstring, keyed without prefix."""
-        nan = torch.tensor(math.nan, dtype=_F64, device=self.device)
-        _, groups = _merge_moments(self._rows("group_ids"), self._rows("group_rows"))
-        n_g, _, m2_g, max_g, min_g = groups.unbind(dim=1)
-        equal = max_g == min_g
-        # population std per group; exactly 0 when every reward of the group is the same number
-        std_g = torch.where(equal, torch.zeros_like(m2_g), (m2_g / n_g).sqrt())
-        zero = equal if self.tol == 0.0 else (std_g <= self.tol)
-        num_groups = n_g.numel()
-        # all finite rewards: the groups merged as parts of one set
-        _, pooled = _merge_moments(torch.zeros_like(n_g, dtype=torch.int64), groups)
-        count, mean, m2, r_max, r_min = pooled[0] if num_groups else (n_g.sum(), nan, nan, nan, nan)
-        out = {
-            "mean": mean,
-            "std": (m2 / count).sqrt(),
-            "max": r_max,
-            "min": r_min,
-            "count": count,
-            "nonfinite_count": self.nonfinite.clone(),
-            "zero_std_ratio": zero.to(_F64).mean() if num_groups else nan,
-            "std_mean": std_g.mean() if num_groups else nan,
-            "group_size": n_g.mean() if num_groups else nan,
-            "num_groups": torch.tensor(float(num_groups), dtype=_F64, device=self.device),
-        }
-        for i, name in enumerate(self.component_names or []):
-            out[f"{name}/mean"] = self.comp_sums[i, 1] / self.comp_sums[i, 0]
-
-        a_n, a_s, a_ss, a_eff = self.adv_sums.unbind()
-        a_mean = a_s / a_n
-        out.update(
-            {
-                "advantages/mean": a_mean,
-                "advantages/std": (a_ss / a_n - a_mean * a_mean).clamp_min(0.0).sqrt(),
-                "advantages/max": self.adv_max.clone() if a_n > 0 else nan,
-                "advantages/min": self.adv_min.clone() if a_n > 0 else nan,
-                "advantages/effective_ratio": a_eff / a_n,
-            }
-        )
-        return out
-
-    def _prefixed_key(self, key: str) -> str:
-        if key.startswith("advantages/"):
-            return self.advantages_prefix + key[len("advantages/") :]
-        return self.prefix + key
+def resolve_clip_range_high(clip_range: float, clip_range_high: float | None) -> float:
+    """ε_high: ``clip_range_high``, or ``clip_range`` when that is ``None`` (a symmetric clip). The one
+    resolution: :attr:`lit_flowgrpo.objective.RatioObjective.clip_high` passes its result to the
+    losses and the metric, and a metric built alone (``clip_range_high=None``) reads it the same way."""
+    return float(clip_range if clip_range_high is None else clip_range_high)
 
 
 # Columns of PolicyRatioStats' sum state, one row per denoising step (or a single row).
@@ -395,7 +74,7 @@ _COL = {name: i for i, name in enumerate(_SUM_FIELDS)}
 _TOPK_FIELDS = ("kl", "ratio", "new_logp", "old_logp", "sample_id", "step")
 
 
-class PolicyRatioStats(_DictMetric):
+class PolicyRatioStats(DictMetric):
     r"""Importance ratio, clip fractions, KL and entropy of the policy update, per (image, step) token.
 
     One token is an (image, denoising step) pair with d = logp_new − logp_old (log-probs in the
@@ -493,7 +172,7 @@ class PolicyRatioStats(_DictMetric):
         if problems:
             raise ValueError("; ".join(problems))
         self.clip_range = float(clip_range)
-        self.clip_range_high = float(clip_range if clip_range_high is None else clip_range_high)
+        self.clip_range_high = resolve_clip_range_high(clip_range, clip_range_high)
         self.by_step = by_step
         self.num_steps = num_steps
         self.top_k_kl = int(top_k_kl)
@@ -509,10 +188,25 @@ class PolicyRatioStats(_DictMetric):
         self.add_state("maxs", torch.full((rows, 3), -math.inf, dtype=_F64), dist_reduce_fx="max")
         self.add_state("mins", torch.full((rows,), math.inf, dtype=_F64), dist_reduce_fx="min")  # r
         if self.top_k_kl:
-            self._add_row_state("topk_rows", (len(_TOPK_FIELDS),), _F64)
+            self.add_row_state("topk_rows", (len(_TOPK_FIELDS),), _F64)
         if clip_level == "trajectory":
-            self._add_row_state("traj_ids", (), torch.int64)
-            self._add_row_state("traj_rows", (3,), _F64)  # (Σ log r, n, ΣA)
+            self.add_row_state("traj_ids", (), torch.int64)
+            self.add_row_state("traj_rows", (3,), _F64)  # (Σ log r, n, ΣA)
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: DiagnosticsSettings,
+        *,
+        clip_range: float,
+        clip_range_high: float | None,
+        num_steps: int,
+    ) -> PolicyRatioStats:
+        """The metric that the update's diagnostics ``settings`` ask for."""
+        options = dataclasses.asdict(settings)
+        # What the rollout records and what the visit runs; the metric logs what it is given.
+        del options["step_kl"], options["reference_kl"]
+        return cls(clip_range=clip_range, clip_range_high=clip_range_high, num_steps=num_steps, **options)
 
     def update(
         self,
@@ -545,18 +239,18 @@ class PolicyRatioStats(_DictMetric):
             step_kl: (N,) the exact KL(old‖new) of each token's Gaussian step, for
                 ``kl_new_old_mean``/``kl_new_old_max`` (needs μ_old, which not every rollout records).
         """
-        n = _check_vector("log_prob", log_prob)
-        _check_vector("old_log_prob", old_log_prob, n)
-        _check_vector("advantages", advantages, n)
+        n = check_vector("log_prob", log_prob)
+        check_vector("old_log_prob", old_log_prob, n)
+        check_vector("advantages", advantages, n)
         device = self.device
         if isinstance(step, int):
             step = torch.full((n,), step, dtype=torch.int64, device=device)
         for name, value in (("ratio", ratio), ("step", step), ("sample_id", sample_id)):
             if value is not None:
-                _check_vector(name, value, n)
+                check_vector(name, value, n)
         for name, value in (("std_dev_t", std_dev_t), ("sqrt_dt", sqrt_dt), ("step_kl", step_kl)):
             if value is not None:
-                _check_vector(name, value, n)
+                check_vector(name, value, n)
         if sqrt_dt is not None and std_dev_t is None:
             raise ValueError("sqrt_dt was given without std_dev_t: pass both to log the entropy, or neither")
         if self.by_step and step is None:
@@ -656,13 +350,13 @@ class PolicyRatioStats(_DictMetric):
                 ],
                 dim=1,
             )[ok]
-            self.topk_rows = [_top_rows(torch.cat([self._rows("topk_rows"), records]), self.top_k_kl)]
+            self.topk_rows = [_top_rows(torch.cat([self.gathered_rows("topk_rows"), records]), self.top_k_kl)]
 
         if self.clip_level == "trajectory":
             assert sample_id is not None
             ids = sample_id.detach().to(device, torch.int64)[ok]
             traj = torch.stack([log_r[ok], torch.ones_like(log_r[ok]), adv[ok]], dim=1)
-            uniq, merged = _sum_by_id(ids, traj)
+            uniq, merged = sum_by_id(ids, traj)
             self.traj_ids.append(uniq)
             self.traj_rows.append(merged)
 
@@ -681,7 +375,7 @@ class PolicyRatioStats(_DictMetric):
                         continue  # clipping is counted per trajectory, not per step
                     out[f"by_step/{key}/step_{j}"] = value
         if self.top_k_kl:
-            rows = _top_rows(self._rows("topk_rows"), self.top_k_kl).cpu().tolist()
+            rows = _top_rows(self.gathered_rows("topk_rows"), self.top_k_kl).cpu().tolist()
             self.top_kl_records = [
                 {**dict(zip(_TOPK_FIELDS, rec, strict=True)), "sample_id": int(rec[4]), "step": int(rec[5])}
                 for rec in rows
@@ -724,8 +418,8 @@ class PolicyRatioStats(_DictMetric):
         return out
 
     def _trajectory_clip(self) -> dict[str, Tensor]:
-        ids, rows = self._rows("traj_ids"), self._rows("traj_rows")
-        _, merged = _sum_by_id(ids, rows)
+        ids, rows = self.gathered_rows("traj_ids"), self.gathered_rows("traj_rows")
+        _, merged = sum_by_id(ids, rows)
         log_r_sum, steps, adv_sum = merged.unbind(dim=1)
         ratio = torch.exp(log_r_sum / steps)  # geometric mean over the trajectory's steps
         adv = adv_sum / steps
@@ -744,6 +438,14 @@ class PolicyRatioStats(_DictMetric):
         if key.startswith("by_step/"):
             return self.prefix.rstrip("/") + "_" + key
         return self.prefix + key
+
+    def logged_values(self) -> dict[str, float]:
+        """:meth:`compute_prefixed` as floats, and the k (image, step) pairs of highest KL over all ranks
+        (``top_k_kl``) as ``<prefix>top_kl/<i>/<field>``."""
+        values = super().logged_values()
+        for i, record in enumerate(self.top_kl_records):
+            values.update({f"{self.prefix}top_kl/{i}/{k}": float(v) for k, v in record.items()})
+        return values
 
     def reset(self) -> None:
         super().reset()
@@ -814,7 +516,7 @@ class FlowDPPOStats(PolicyRatioStats):
         if high_kl is None or pos_rm is None or neg_rm is None:
             raise ValueError("FlowDPPOStats.update needs high_kl, pos_rm and neg_rm: the mask of each token")
         for name, value in (("high_kl", high_kl), ("pos_rm", pos_rm), ("neg_rm", neg_rm)):
-            _check_vector(name, value, n)
+            check_vector(name, value, n)
         device = self.device
         step = kwargs.get("step")
         if self.by_step:
