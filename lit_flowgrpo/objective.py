@@ -36,7 +36,6 @@ from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
 
 from lit_flowgrpo.algorithms import (
     NFT_DECAY_SCHEDULES,
@@ -149,8 +148,8 @@ class Objective:
         rest are padding that keeps every rank's backward count equal."""
         raise NotImplementedError
 
-    def diagnostics(self, num_steps: int, settings: DiagnosticsSettings) -> Metric:
-        """The metric that :attr:`Visit.diagnostics` updates."""
+    def diagnostics(self, num_steps: int, settings: DiagnosticsSettings) -> DictMetric:
+        """The metric that :attr:`Visit.diagnostics` updates (a :class:`~lit_flowgrpo.metrics.DictMetric`)."""
         raise NotImplementedError
 
     def diagnostics_values(self, metric: DictMetric, optimizer_steps: int) -> dict[str, float]:
@@ -316,7 +315,7 @@ class RatioObjective(Objective):
     #: The metric :meth:`diagnostics` builds.
     diagnostics_metric: ClassVar[type[PolicyRatioStats]] = PolicyRatioStats
 
-    def diagnostics(self, num_steps: int, settings: DiagnosticsSettings) -> Metric:
+    def diagnostics(self, num_steps: int, settings: DiagnosticsSettings) -> DictMetric:
         return self.diagnostics_metric.from_settings(
             settings, clip_range=self.clip_range, clip_range_high=self.clip_high, num_steps=num_steps
         )
@@ -686,7 +685,7 @@ class DiffusionNFT(Objective):
         delay, rate, cap = self.schedule
         return nft_old_policy_decay(optimizer_steps, delay=delay, rate=rate, cap=cap)
 
-    def diagnostics(self, num_steps: int, settings: DiagnosticsSettings) -> Metric:
+    def diagnostics(self, num_steps: int, settings: DiagnosticsSettings) -> DictMetric:
         return NFTDiagnostics()
 
     def diagnostics_values(self, metric: DictMetric, optimizer_steps: int) -> dict[str, float]:
