@@ -93,6 +93,8 @@ def run_model_case(case: Case, kernel: Any) -> dict[str, Any]:
     import torch
     from torch.nn.attention import sdpa_kernel
 
+    from lit_flowgrpo.tiny.specs import SPECS
+
     family, batch = case.name.split("_")[1], case.batch
     dev, dtype = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
@@ -100,12 +102,9 @@ def run_model_case(case: Case, kernel: Any) -> dict[str, Any]:
         if family == "sd35m":
             from diffusers import SD3Transformer2DModel
 
-            model = SD3Transformer2DModel(
-                sample_size=128, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=64,
-                num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-                pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
-                dual_attention_layers=(0,), qk_norm="rms_norm",
-            )  # fmt: skip
+            # SD3.5-Medium's blocks, two of them (the first with its dual attention)
+            config = dict(SPECS["sd35m"]["transformer"], num_layers=2, dual_attention_layers=(0,))
+            model = SD3Transformer2DModel(**config)
             inputs = dict(
                 hidden_states=torch.randn(batch, 16, 64, 64),
                 encoder_hidden_states=torch.randn(batch, 333, 4096),
@@ -115,11 +114,10 @@ def run_model_case(case: Case, kernel: Any) -> dict[str, Any]:
         elif family == "flux":
             from diffusers import FluxTransformer2DModel
 
+            # FLUX.1-dev's blocks, one joint and one single-stream
             model = FluxTransformer2DModel(
-                patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=128,
-                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-                guidance_embeds=True, axes_dims_rope=(16, 56, 56),
-            )  # fmt: skip
+                **dict(SPECS["flux"]["transformer"], num_layers=1, num_single_layers=1)
+            )
             grid = torch.stack(torch.meshgrid(torch.arange(32), torch.arange(32), indexing="ij"), -1).reshape(
                 -1, 2
             )
@@ -136,10 +134,8 @@ def run_model_case(case: Case, kernel: Any) -> dict[str, Any]:
             from diffusers import QwenImageTransformer2DModel
 
             model = QwenImageTransformer2DModel(
-                patch_size=2, in_channels=64, out_channels=16, num_layers=1, attention_head_dim=128,
-                num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
-                axes_dims_rope=(16, 56, 56),
-            )  # fmt: skip
+                **dict(SPECS["qwenimage"]["transformer"], num_layers=1)
+            )  # one block
             mask = torch.ones(batch, 77, dtype=torch.long)
             mask[-1, 57:] = 0  # padded prompts: one shorter than the other
             inputs = dict(

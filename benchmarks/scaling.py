@@ -46,7 +46,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from profiling import UPDATE_RANGE, ProfileSteps  # benchmarks/ siblings: the script's folder is on sys.path
-from throughput import SPECS, TINY, BenchWanPolicy, tiny_spec
+from throughput import TINY, BenchWanPolicy, tiny_spec
 from torch import Tensor, nn
 
 from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
@@ -59,75 +59,23 @@ from lit_flowgrpo.policies.flux import FluxPolicy
 from lit_flowgrpo.policies.qwenimage import QwenImagePolicy
 from lit_flowgrpo.policies.sd3 import SD3Policy
 from lit_flowgrpo.strategies import FSDP2Strategy, end_distributed_process
+from lit_flowgrpo.tiny.specs import SPECS
 
-# The public configs (transformer, VAE, scheduler, conditioning shapes) live once, in
-# benchmarks/throughput.py's SPECS: stabilityai/stable-diffusion-3.5-medium, black-forest-labs/FLUX.1-dev
-# (11.9B), Qwen/Qwen-Image (20.4B). The tiny sizes are the same classes shrunk for a CPU check.
+# The public configs (transformer, VAE, scheduler, conditioning shapes) live once, in lit_flowgrpo.tiny.specs
+# (SPECS): stabilityai/stable-diffusion-3.5-medium, black-forest-labs/FLUX.1-dev (11.9B), Qwen/Qwen-Image
+# (20.4B), Wan 2.1 T2V 14B, Wan 2.2 T2V A14B. The tiny sizes are benchmarks/throughput.py's tiny configs
+# (the same classes shrunk for a CPU check), with the changes noted.
 SIZES: dict[str, dict[str, Any]] = {
     "sd35m": dict(SPECS["sd35m"], resolution=512),
     "flux12b": dict(SPECS["flux"], resolution=512),
     "qwenimage20b": dict(SPECS["qwenimage"], resolution=512),
-    "tiny": dict(
-        family="sd3",
-        transformer=dict(
-            sample_size=16,
-            patch_size=2,
-            in_channels=16,
-            num_layers=2,
-            attention_head_dim=8,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            caption_projection_dim=16,
-            pooled_projection_dim=24,
-            out_channels=16,
-            pos_embed_max_size=32,
-            dual_attention_layers=(0,),
-            qk_norm="rms_norm",
-        ),
-        vae=dict(
-            block_out_channels=(8, 8),
-            down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2,
-            latent_channels=16,
-            norm_num_groups=4,
-            sample_size=32,
-            scaling_factor=1.5305,
-            shift_factor=0.0609,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        ),
-        scheduler=SPECS["sd35m"]["scheduler"],
-        text=dict(tokens=12, dim=32, pooled=24),
-        resolution=32,
-    ),
+    # throughput.py's tiny SD3.5-M with 2 blocks
+    "tiny": dict(TINY["sd35m"], transformer=dict(TINY["sd35m"]["transformer"], num_layers=2), resolution=32),
+    # throughput.py's tiny FLUX.1 with one single-stream block and 12 prompt tokens
     "flux_tiny": dict(
-        family="flux",
-        transformer=dict(
-            patch_size=1,
-            in_channels=64,
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            pooled_projection_dim=24,
-            guidance_embeds=True,
-            axes_dims_rope=(4, 6, 6),
-        ),
-        vae=dict(
-            block_out_channels=(8, 8),
-            down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2,
-            latent_channels=16,
-            norm_num_groups=4,
-            sample_size=32,
-            scaling_factor=0.3611,
-            shift_factor=0.1159,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        ),
-        scheduler=SPECS["flux"]["scheduler"],
-        text=dict(tokens=12, dim=32, pooled=24),
+        TINY["flux"],
+        transformer=dict(TINY["flux"]["transformer"], num_single_layers=1),
+        text=dict(TINY["flux"]["text"], tokens=12),
         resolution=32,
     ),
     # Qwen-Image's classes and public in/out channels, VAE latent statistics and scheduler; 2 blocks.
@@ -373,7 +321,7 @@ class Recorder(FlowGRPOModule):
         # The rollout's trained steps (the sampler's own plan) and the expert of each, compared as
         # WanPolicy.velocity compares: σ·num_train_timesteps in fp32 against the boundary timestep.
         _, trained = self.sampler.plan(step, self.seed)
-        boundary = getattr(self.policy, "boundary_timestep", None)
+        boundary = self.policy.boundary_timestep
         high = len(trained)
         if boundary is not None:
             sigmas = self.policy.sigmas(self.sampler.num_steps, self.sampler.height, self.sampler.width)

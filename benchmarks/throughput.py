@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import gc
 import json
 import math
@@ -92,6 +91,7 @@ from lit_flowgrpo.policies.qwenimage import QwenImagePolicy
 from lit_flowgrpo.policies.sd3 import SD3Policy
 from lit_flowgrpo.policies.wan import WanPolicy
 from lit_flowgrpo.rewards import MultiReward
+from lit_flowgrpo.tiny.specs import SPECS
 
 
 def _sibling(name: str) -> Any:
@@ -114,230 +114,65 @@ def _sibling(name: str) -> Any:
 profiling = _sibling("profiling")
 
 # --------------------------------------------------------------------------------------------------
-# Model specs: the public configs (transformer/config.json, vae/config.json, scheduler of each hub
-# repository) and the shapes of the text conditioning.
+# Model specs: the public configs (transformer, VAE, scheduler, conditioning shapes) of each family live
+# once, in lit_flowgrpo.tiny.specs; the CPU smoke run's tiny configs are those with small overrides.
 # --------------------------------------------------------------------------------------------------
 
-_SD3_VAE = dict(
-    in_channels=3,
-    out_channels=3,
-    down_block_types=["DownEncoderBlock2D"] * 4,
-    up_block_types=["UpDecoderBlock2D"] * 4,
-    block_out_channels=[128, 256, 512, 512],
-    layers_per_block=2,
-    latent_channels=16,
-    norm_num_groups=32,
-    sample_size=1024,
-    use_quant_conv=False,
-    use_post_quant_conv=False,
-    mid_block_add_attention=True,
-)
 
-# Wan 2.1's causal video VAE (Wan-AI/Wan2.1-T2V-1.3B-Diffusers vae/config.json, AutoencoderKLWan):
-# 8x in space, 4x in time, 16 latent channels normalised by these. Qwen-Image's VAE is the same
-# network with the same config (Qwen/Qwen-Image vae/config.json, AutoencoderKLQwenImage).
-_WAN_LATENTS_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]  # fmt: skip
-_WAN_LATENTS_STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.916]  # fmt: skip
-_WAN_VAE = dict(
-    base_dim=96,
-    z_dim=16,
-    dim_mult=[1, 2, 4, 4],
-    num_res_blocks=2,
-    attn_scales=[],
-    temperal_downsample=[False, True, True],
-    dropout=0.0,
-    latents_mean=_WAN_LATENTS_MEAN,
-    latents_std=_WAN_LATENTS_STD,
-)
+def _tiny_vae(vae: dict[str, Any]) -> dict[str, Any]:
+    """An SD3 / FLUX.1 VAE config shrunk to two levels of 8 channels (its latent channels and constants kept)."""
+    return dict(
+        vae,
+        down_block_types=["DownEncoderBlock2D"] * 2,
+        up_block_types=["UpDecoderBlock2D"] * 2,
+        block_out_channels=[8, 8],
+        layers_per_block=1,
+        norm_num_groups=4,
+        sample_size=32,
+    )
 
-SPECS: dict[str, dict[str, Any]] = {
-    # stabilityai/stable-diffusion-3.5-medium
-    "sd35m": dict(
-        family="sd3",
-        transformer=dict(
-            sample_size=128,
-            patch_size=2,
-            in_channels=16,
-            num_layers=24,
-            attention_head_dim=64,
-            num_attention_heads=24,
-            joint_attention_dim=4096,
-            caption_projection_dim=1536,
-            pooled_projection_dim=2048,
-            out_channels=16,
-            pos_embed_max_size=384,
-            dual_attention_layers=tuple(range(13)),
-            qk_norm="rms_norm",
-        ),
-        vae=dict(_SD3_VAE, scaling_factor=1.5305, shift_factor=0.0609),
-        scheduler=dict(num_train_timesteps=1000, shift=3.0),
-        text=dict(tokens=333, dim=4096, pooled=2048),
-    ),
-    # black-forest-labs/FLUX.1-dev
-    "flux": dict(
-        family="flux",
-        transformer=dict(
-            patch_size=1,
-            in_channels=64,
-            num_layers=19,
-            num_single_layers=38,
-            attention_head_dim=128,
-            num_attention_heads=24,
-            joint_attention_dim=4096,
-            pooled_projection_dim=768,
-            guidance_embeds=True,
-            axes_dims_rope=(16, 56, 56),
-        ),
-        vae=dict(_SD3_VAE, scaling_factor=0.3611, shift_factor=0.1159),
-        scheduler=dict(
-            num_train_timesteps=1000,
-            shift=3.0,
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=1.15,
-            base_image_seq_len=256,
-            max_image_seq_len=4096,
-        ),
-        text=dict(tokens=512, dim=4096, pooled=768),
-    ),
-    # Qwen/Qwen-Image
-    "qwenimage": dict(
-        family="qwenimage",
-        transformer=dict(
-            patch_size=2,
-            in_channels=64,
-            out_channels=16,
-            num_layers=60,
-            attention_head_dim=128,
-            num_attention_heads=24,
-            joint_attention_dim=3584,
-            guidance_embeds=False,
-            axes_dims_rope=(16, 56, 56),
-        ),
-        vae=_WAN_VAE,
-        scheduler=dict(
-            num_train_timesteps=1000,
-            shift=1.0,
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=0.9,
-            base_image_seq_len=256,
-            max_image_seq_len=8192,
-            shift_terminal=0.02,
-            time_shift_type="exponential",
-        ),
-        # A prompt after the chat template's prefix is tens of tokens; 128 is a long one.
-        text=dict(tokens=128, dim=3584),
-    ),
-    # Wan-AI/Wan2.1-T2V-1.3B-Diffusers: transformer 30 blocks of 12 x 128 = 1536 wide; UniPC flow
-    # schedule (its scheduler_config.json: flow_shift 3.0); UMT5-XXL states padded to 512 tokens.
-    "wan1p3b": dict(
-        family="wan",
-        transformer=dict(
-            patch_size=(1, 2, 2),
-            num_attention_heads=12,
-            attention_head_dim=128,
-            in_channels=16,
-            out_channels=16,
-            text_dim=4096,
-            freq_dim=256,
-            ffn_dim=8960,
-            num_layers=30,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            eps=1e-6,
-            rope_max_seq_len=1024,
-        ),
-        vae=_WAN_VAE,
-        scheduler_class="UniPCMultistepScheduler",
-        scheduler=dict(
-            num_train_timesteps=1000,
-            prediction_type="flow_prediction",
-            use_flow_sigmas=True,
-            flow_shift=3.0,
-            solver_order=2,
-            final_sigmas_type="zero",
-        ),
-        text=dict(tokens=512, dim=4096),
-    ),
-}
-# Wan-AI/Wan2.1-T2V-14B-Diffusers: 40 blocks of 40 x 128 = 5120 wide, FFN 13824; VAE, scheduler and text
-# as the 1.3B's (the schedule's shift does not change the cost of a step).
-SPECS["wan14b"] = dict(
-    SPECS["wan1p3b"],
-    transformer=dict(SPECS["wan1p3b"]["transformer"], num_attention_heads=40, ffn_dim=13824, num_layers=40),
-)
-# Wan-AI/Wan2.2-T2V-A14B-Diffusers: two experts of the Wan 2.1 14B config (transformer/ and
-# transformer_2/ config.json: 40 blocks of 40 x 128, FFN 13824, 16 channels in and out, text_dim 4096),
-# the Wan 2.1 VAE (z_dim 16), boundary_ratio 0.875 (its model_index.json). The flow shift is the
-# official sampler's (Wan-Video/Wan2.2 wan/configs/wan_t2v_A14B.py: sample_shift 12.0, boundary 0.875):
-# it sets how many steps fall to each expert (σ ≥ 0.368 before the shift is high-noise), not their cost.
-SPECS["wan22a14b"] = dict(
-    SPECS["wan14b"],
-    scheduler=dict(SPECS["wan14b"]["scheduler"], flow_shift=12.0),
-    experts=2,
-    boundary_ratio=0.875,
-)
 
-# Tiny configs of the same classes, for the CPU smoke run.
-_TINY_VAE = dict(
-    _SD3_VAE,
-    down_block_types=["DownEncoderBlock2D"] * 2,
-    up_block_types=["UpDecoderBlock2D"] * 2,
-    block_out_channels=[8, 8],
-    layers_per_block=1,
-    norm_num_groups=4,
-    sample_size=32,
-)
 TINY: dict[str, dict[str, Any]] = {
     "sd35m": dict(
         SPECS["sd35m"],
         transformer=dict(
+            SPECS["sd35m"]["transformer"],
             sample_size=16,
-            patch_size=2,
-            in_channels=16,
             num_layers=3,
             attention_head_dim=8,
             num_attention_heads=2,
             joint_attention_dim=32,
             caption_projection_dim=16,
             pooled_projection_dim=24,
-            out_channels=16,
             pos_embed_max_size=32,
             dual_attention_layers=(0,),
-            qk_norm="rms_norm",
         ),
-        vae=dict(_TINY_VAE, scaling_factor=1.5305, shift_factor=0.0609),
+        vae=_tiny_vae(SPECS["sd35m"]["vae"]),
         text=dict(tokens=12, dim=32, pooled=24),
     ),
     "flux": dict(
         SPECS["flux"],
         transformer=dict(
-            patch_size=1,
-            in_channels=64,
+            SPECS["flux"]["transformer"],
             num_layers=1,
             num_single_layers=2,
             attention_head_dim=16,
             num_attention_heads=2,
             joint_attention_dim=32,
             pooled_projection_dim=24,
-            guidance_embeds=True,
             axes_dims_rope=(4, 6, 6),
         ),
-        vae=dict(_TINY_VAE, scaling_factor=0.3611, shift_factor=0.1159),
+        vae=_tiny_vae(SPECS["flux"]["vae"]),
         text=dict(tokens=8, dim=32, pooled=24),
     ),
     "qwenimage": dict(
         SPECS["qwenimage"],
         transformer=dict(
-            patch_size=2,
-            in_channels=64,
-            out_channels=16,
+            SPECS["qwenimage"]["transformer"],
             num_layers=2,
             attention_head_dim=16,
             num_attention_heads=2,
             joint_attention_dim=32,
-            guidance_embeds=False,
             axes_dims_rope=(4, 6, 6),
         ),
         vae=dict(SPECS["qwenimage"]["vae"], base_dim=8, dim_mult=[1, 2, 2, 2], num_res_blocks=1),
@@ -349,40 +184,19 @@ TINY: dict[str, dict[str, Any]] = {
 def tiny_spec(model: str) -> dict[str, Any]:
     """The tiny config of ``model`` for the CPU smoke run: :data:`TINY`'s, and for Wan the configs of
     the tiny pipeline the tests build (:mod:`lit_flowgrpo.tiny.wan`; its two-expert ``"a14b"`` variant
-    for a two-expert model), so that they live once."""
+    for a two-expert model)."""
     if SPECS[model]["family"] != "wan":
         return TINY[model]
-    return _tiny_wan_spec("a14b" if SPECS[model].get("experts", 1) == 2 else "2.1")
+    from lit_flowgrpo.tiny import wan
 
-
-@functools.cache
-def _tiny_wan_spec(variant: str = "2.1") -> dict[str, Any]:
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-
-    from lit_flowgrpo.tiny.wan import build_tiny_wan
-
-    def init_args(config: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in config.items() if not k.startswith("_")}
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = build_tiny_wan(tmp, variant)
-        transformer = init_args(WanTransformer3DModel.load_config(path, subfolder="transformer"))
-        vae = init_args(AutoencoderKLWan.load_config(path, subfolder="vae"))
-        scheduler = UniPCMultistepScheduler.load_config(path, subfolder="scheduler")
-        experts = {}
-        if variant == "a14b":
-            second = init_args(WanTransformer3DModel.load_config(path, subfolder="transformer_2"))
-            if second != transformer:  # BenchWanPolicy builds both experts from the one config
-                raise ValueError(
-                    f"the tiny {variant} Wan's experts differ in config: {second} vs {transformer}"
-                )
-            experts = dict(experts=2, boundary_ratio=WanPipeline.load_config(path)["boundary_ratio"])
+    transformer = wan.transformer_config(wan.VAE["z_dim"])
+    experts = (
+        dict(experts=2, boundary_ratio=wan.A14B_BOUNDARY_RATIO) if SPECS[model].get("experts", 1) == 2 else {}
+    )
     return dict(
         SPECS["wan1p3b"],
         transformer=transformer,
-        vae=vae,
-        scheduler_class=scheduler["_class_name"],
-        scheduler=init_args(scheduler),
+        vae=wan.VAE,
         text=dict(tokens=8, dim=transformer["text_dim"]),
         **experts,
     )

@@ -21,7 +21,34 @@ import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
+from lit_flowgrpo.tiny.specs import SPECS
 from lit_flowgrpo.tiny.tokenizers import clip_tokenizer, t5_tokenizer
+
+FLUX = SPECS["flux"]
+#: FLUX.1-dev's transformer shrunk: one joint and one single block of 2 heads of 16, 16 channels in.
+TRANSFORMER = dict(
+    FLUX["transformer"],
+    in_channels=16,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    pooled_projection_dim=32,
+    axes_dims_rope=(4, 6, 6),
+)
+#: FLUX.1's VAE (its normalisation constants, no quant convs) shrunk: two levels (2× in space), 4
+#: latent channels.
+VAE = dict(
+    FLUX["vae"],
+    down_block_types=["DownEncoderBlock2D"] * 2,
+    up_block_types=["UpDecoderBlock2D"] * 2,
+    block_out_channels=[8, 16],
+    layers_per_block=1,
+    latent_channels=4,
+    norm_num_groups=4,
+    sample_size=32,
+)
 
 
 def build_tiny_flux(path: str | os.PathLike[str], seed: int = 0) -> str:
@@ -64,46 +91,12 @@ def build_tiny_flux(path: str | os.PathLike[str], seed: int = 0) -> str:
                 decoder_start_token_id=tokenizer_2.pad_token_id,
             )
         )
-        transformer = FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=16,
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            pooled_projection_dim=32,
-            guidance_embeds=True,
-            axes_dims_rope=(4, 6, 6),
-        )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=["DownEncoderBlock2D"] * 2,
-            up_block_types=["UpDecoderBlock2D"] * 2,
-            block_out_channels=[8, 16],
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=4,
-            sample_size=32,
-            # FLUX.1's VAE normalization constants and its missing quant convs.
-            scaling_factor=0.3611,
-            shift_factor=0.1159,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        )
+        transformer = FluxTransformer2DModel(**TRANSFORMER)
+        vae = AutoencoderKL(**VAE)
         # Random decoders saturate the [0, 1] clamp; shrink the output layer so images stay inside.
         with torch.no_grad():
             vae.decoder.conv_out.weight.mul_(0.1)
-    # FLUX.1-dev's scheduler config (dynamic shift from the image sequence length).
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
+    scheduler = FlowMatchEulerDiscreteScheduler(**FLUX["scheduler"])  # dynamic shift, as FLUX.1-dev
     pipe = FluxPipeline(
         scheduler=scheduler,
         vae=vae,

@@ -31,6 +31,32 @@ from diffusers import (
 from tokenizers import pre_tokenizers
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
+from lit_flowgrpo.tiny.specs import SPECS
+
+QWEN = SPECS["qwenimage"]
+#: Qwen-Image's transformer shrunk: 2 blocks of 2 heads of 16; 2×2 patches of 4 latent channels.
+TRANSFORMER = dict(
+    QWEN["transformer"],
+    in_channels=16,
+    out_channels=4,
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    axes_dims_rope=(4, 6, 6),
+)
+#: Qwen-Image's VAE shrunk: two levels (2× in space, none in time), 4 latent channels and their statistics.
+VAE = dict(
+    QWEN["vae"],
+    base_dim=8,
+    z_dim=4,
+    dim_mult=[1, 2],
+    num_res_blocks=1,
+    temperal_downsample=[False],
+    latents_mean=[0.1, -0.2, 0.3, 0.0],
+    latents_std=[1.5, 0.8, 1.2, 2.0],
+)
+
 # The words of QwenImagePipeline's prompt template, in byte-level form ("Ġ" is a leading space).
 _TEMPLATE_WORDS = (
     "system",
@@ -129,37 +155,9 @@ def build_tiny_qwenimage(path: str | os.PathLike[str], seed: int = 0) -> str:
                 vision_end_token_id=n + 3,
             )
         )
-        transformer = QwenImageTransformer2DModel(
-            patch_size=2,
-            in_channels=16,
-            out_channels=4,
-            num_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            axes_dims_rope=(4, 6, 6),
-        )
-        vae = AutoencoderKLQwenImage(
-            base_dim=8,
-            z_dim=4,
-            dim_mult=[1, 2],
-            num_res_blocks=1,
-            attn_scales=[],
-            temperal_downsample=[False],
-            latents_mean=[0.1, -0.2, 0.3, 0.0],
-            latents_std=[1.5, 0.8, 1.2, 2.0],
-        )
-    # Qwen/Qwen-Image's scheduler config.
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        base_image_seq_len=256,
-        base_shift=0.5,
-        max_image_seq_len=8192,
-        max_shift=0.9,
-        shift=1.0,
-        shift_terminal=0.02,
-        use_dynamic_shifting=True,
-        time_shift_type="exponential",
-    )
+        transformer = QwenImageTransformer2DModel(**TRANSFORMER)
+        vae = AutoencoderKLQwenImage(**VAE)
+    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN["scheduler"])
     pipe = QwenImagePipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
     )

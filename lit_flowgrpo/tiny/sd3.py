@@ -17,7 +17,41 @@ from diffusers import (
 )
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
+from lit_flowgrpo.tiny.specs import SPECS
 from lit_flowgrpo.tiny.tokenizers import clip_tokenizer, t5_tokenizer
+
+SD3 = SPECS["sd35m"]
+#: SD3.5-Medium's transformer shrunk: 2 blocks of 4 heads of 8, 1×1 patches of 4 channels, and SD3 (3.0)
+#: blocks (no dual attention, no QK norm).
+TRANSFORMER = dict(
+    SD3["transformer"],
+    sample_size=16,
+    patch_size=1,
+    in_channels=4,
+    num_layers=2,
+    attention_head_dim=8,
+    num_attention_heads=4,
+    joint_attention_dim=64,
+    caption_projection_dim=32,
+    pooled_projection_dim=64,
+    out_channels=4,
+    pos_embed_max_size=32,
+    dual_attention_layers=(),
+    qk_norm=None,
+)
+#: SD3's VAE shrunk: two levels of 8 channels (2× in space), 4 latent channels; its scaling factor
+#: 1.5035 (the public one is 1.5305) is the one the recorded tiny numbers were made with.
+VAE = dict(
+    SD3["vae"],
+    down_block_types=["DownEncoderBlock2D"] * 2,
+    up_block_types=["UpDecoderBlock2D"] * 2,
+    block_out_channels=[8, 8],
+    layers_per_block=1,
+    latent_channels=4,
+    norm_num_groups=4,
+    sample_size=32,
+    scaling_factor=1.5035,
+)
 
 
 def build_tiny_sd3(path: str, seed: int = 0) -> str:
@@ -51,32 +85,9 @@ def build_tiny_sd3(path: str, seed: int = 0) -> str:
         relative_attention_num_buckets=8,
     )
     pipe = StableDiffusion3Pipeline(
-        transformer=SD3Transformer2DModel(
-            sample_size=16,
-            patch_size=1,
-            in_channels=4,
-            num_layers=2,
-            attention_head_dim=8,
-            num_attention_heads=4,
-            joint_attention_dim=64,
-            caption_projection_dim=32,
-            pooled_projection_dim=64,
-            out_channels=4,
-            pos_embed_max_size=32,
-        ),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=AutoencoderKL(
-            block_out_channels=(8, 8),
-            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-            latent_channels=4,
-            norm_num_groups=4,
-            sample_size=32,
-            scaling_factor=1.5035,
-            shift_factor=0.0609,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        ),
+        transformer=SD3Transformer2DModel(**TRANSFORMER),
+        scheduler=FlowMatchEulerDiscreteScheduler(**SD3["scheduler"]),
+        vae=AutoencoderKL(**VAE),
         text_encoder=CLIPTextModelWithProjection(clip_config),
         tokenizer=clip_tokenizer(),
         text_encoder_2=CLIPTextModelWithProjection(clip_config),

@@ -27,24 +27,52 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 from transformers import UMT5Config, UMT5EncoderModel
 
+from lit_flowgrpo.tiny.specs import SPECS
 from lit_flowgrpo.tiny.tokenizers import t5_tokenizer
 
 Variant = Literal["2.1", "a14b", "ti2v"]
+WAN = SPECS["wan1p3b"]
 #: Latent channels of the tiny TI2V's VAE (Wan 2.2 TI2V-5B's has 48).
 TI2V_LATENT_CHANNELS = 8
 #: Wan 2.2 A14B's ``boundary_ratio`` (its ``model_index.json``).
-A14B_BOUNDARY_RATIO = 0.875
+A14B_BOUNDARY_RATIO: float = SPECS["wan22a14b"]["boundary_ratio"]
+#: Wan 2.1's VAE shrunk: four levels of 4 channels (still 8× in space, 4× in time), 4 latent channels.
+VAE = dict(
+    WAN["vae"],
+    base_dim=4,
+    z_dim=4,
+    dim_mult=[1, 1, 1, 1],
+    num_res_blocks=1,
+    latents_mean=[0.1, -0.2, 0.3, 0.0],
+    latents_std=[1.5, 0.8, 1.2, 2.0],
+)
+#: Wan 2.2's VAE in small: the Wan 2.1 VAE with residual blocks, 2×2 pixel patches in and out (12
+#: channels), a wider decoder, 16× in space, 4× in time; 8 latent channels where the 5B has 48.
+TI2V_VAE = dict(
+    VAE,
+    decoder_base_dim=8,
+    z_dim=TI2V_LATENT_CHANNELS,
+    is_residual=True,
+    in_channels=12,
+    out_channels=12,
+    patch_size=2,
+    scale_factor_spatial=16,
+    scale_factor_temporal=4,
+    latents_mean=[0.1, -0.2, 0.3, 0.0, 0.2, -0.1, 0.05, -0.3],
+    latents_std=[1.5, 0.8, 1.2, 2.0, 0.9, 1.1, 1.3, 0.7],
+)
 
 
-def _transformer(channels: int = 4) -> WanTransformer3DModel:
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2),
+def transformer_config(channels: int = 4) -> dict[str, Any]:
+    """Wan 2.1's transformer shrunk: 2 blocks of 2 heads of 12, ``channels`` latent channels in and out."""
+    return dict(
+        WAN["transformer"],
         num_attention_heads=2,
         attention_head_dim=12,
         in_channels=channels,
@@ -53,8 +81,6 @@ def _transformer(channels: int = 4) -> WanTransformer3DModel:
         freq_dim=32,
         ffn_dim=32,
         num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
     )
 
@@ -82,41 +108,10 @@ def build_tiny_wan(path: str | os.PathLike[str], variant: Variant = "2.1", seed:
                 relative_attention_num_buckets=8,
             )
         )
-        if variant == "ti2v":
-            # Wan 2.2's VAE in small: residual blocks, 2×2 pixel patches in and out (12 channels), a
-            # wider decoder, 16× in space, 4× in time; 8 latent channels where the 5B has 48.
-            vae = AutoencoderKLWan(
-                base_dim=4,
-                decoder_base_dim=8,
-                z_dim=TI2V_LATENT_CHANNELS,
-                dim_mult=[1, 1, 1, 1],
-                num_res_blocks=1,
-                temperal_downsample=[False, True, True],
-                is_residual=True,
-                in_channels=12,
-                out_channels=12,
-                patch_size=2,
-                scale_factor_spatial=16,
-                scale_factor_temporal=4,
-                latents_mean=[0.1, -0.2, 0.3, 0.0, 0.2, -0.1, 0.05, -0.3],
-                latents_std=[1.5, 0.8, 1.2, 2.0, 0.9, 1.1, 1.3, 0.7],
-            )
-        else:
-            vae = AutoencoderKLWan(
-                base_dim=4,
-                z_dim=4,
-                dim_mult=[1, 1, 1, 1],
-                num_res_blocks=1,
-                temperal_downsample=[False, True, True],
-                latents_mean=[0.1, -0.2, 0.3, 0.0],
-                latents_std=[1.5, 0.8, 1.2, 2.0],
-            )
-        transformer = _transformer(vae.config.z_dim)
-        transformer_2 = _transformer() if variant == "a14b" else None
-    # Wan-AI/Wan2.1-T2V-1.3B-Diffusers' scheduler config.
-    scheduler = UniPCMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
-    )
+        vae = AutoencoderKLWan(**(TI2V_VAE if variant == "ti2v" else VAE))
+        transformer = WanTransformer3DModel(**transformer_config(vae.config.z_dim))
+        transformer_2 = WanTransformer3DModel(**transformer_config()) if variant == "a14b" else None
+    scheduler = UniPCMultistepScheduler(**WAN["scheduler"])  # flow sigmas, as Wan 2.1's folders
     pipe = WanPipeline(
         tokenizer=t5_tokenizer(),
         text_encoder=text_encoder,

@@ -1,0 +1,192 @@
+"""Each model family's public configs, written once: the transformer and VAE of each hub repository
+(``transformer/config.json``, ``vae/config.json``), its scheduler (``scheduler/scheduler_config.json``)
+and the shapes of its text conditioning.
+
+The benchmarks build full-size models with random weights from these (``benchmarks/throughput.py``,
+``scaling.py``, ``attention_probe.py``); the tiny pipelines of this package are these configs with
+small overrides (fewer and narrower layers), as are the benchmarks' own CPU-sized models, so that
+none of them restates a family's config. A spec is a dict of plain dicts of constructor keyword
+arguments, derived with ``dict(SPECS["flux"]["transformer"], num_layers=1)``; never change one in
+place.
+
+Keys of a spec: ``family`` (the policy family: ``sd3``, ``flux``, ``qwenimage``, ``wan``);
+``transformer``, ``vae``, ``scheduler`` (keyword arguments of the diffusers classes);
+``scheduler_class`` (when it is not ``FlowMatchEulerDiscreteScheduler``); ``text`` (the conditioning's
+shapes: ``tokens`` × ``dim``, and the ``pooled`` vector's size); for Wan 2.2 A14B, ``experts`` (2)
+and ``boundary_ratio``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["FLUX_VAE", "SD3_VAE", "SPECS", "WAN21_VAE"]
+
+#: stabilityai/stable-diffusion-3.5-medium vae/config.json (AutoencoderKL: 8× in space, 16 latent
+#: channels, no quant convs); FLUX.1's is the same network with its own normalisation constants.
+SD3_VAE: dict[str, Any] = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=["DownEncoderBlock2D"] * 4,
+    up_block_types=["UpDecoderBlock2D"] * 4,
+    block_out_channels=[128, 256, 512, 512],
+    layers_per_block=2,
+    latent_channels=16,
+    norm_num_groups=32,
+    sample_size=1024,
+    scaling_factor=1.5305,
+    shift_factor=0.0609,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    mid_block_add_attention=True,
+)
+
+#: black-forest-labs/FLUX.1-dev vae/config.json.
+FLUX_VAE: dict[str, Any] = dict(SD3_VAE, scaling_factor=0.3611, shift_factor=0.1159)
+
+#: Wan 2.1's causal video VAE (Wan-AI/Wan2.1-T2V-1.3B-Diffusers vae/config.json, AutoencoderKLWan):
+#: 8× in space, 4× in time, 16 latent channels normalised by these. Qwen-Image's VAE is the same
+#: network with the same config (Qwen/Qwen-Image vae/config.json, AutoencoderKLQwenImage).
+_WAN21_LATENTS_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]  # fmt: skip
+_WAN21_LATENTS_STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.916]  # fmt: skip
+WAN21_VAE: dict[str, Any] = dict(
+    base_dim=96,
+    z_dim=16,
+    dim_mult=[1, 2, 4, 4],
+    num_res_blocks=2,
+    attn_scales=[],
+    temperal_downsample=[False, True, True],
+    dropout=0.0,
+    latents_mean=_WAN21_LATENTS_MEAN,
+    latents_std=_WAN21_LATENTS_STD,
+)
+
+SPECS: dict[str, dict[str, Any]] = {
+    # stabilityai/stable-diffusion-3.5-medium; text: 77 CLIP + 256 T5 tokens of 4096, pooled CLIP-L + G
+    "sd35m": dict(
+        family="sd3",
+        transformer=dict(
+            sample_size=128,
+            patch_size=2,
+            in_channels=16,
+            num_layers=24,
+            attention_head_dim=64,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            caption_projection_dim=1536,
+            pooled_projection_dim=2048,
+            out_channels=16,
+            pos_embed_max_size=384,
+            dual_attention_layers=tuple(range(13)),
+            qk_norm="rms_norm",
+        ),
+        vae=SD3_VAE,
+        scheduler=dict(num_train_timesteps=1000, shift=3.0),
+        text=dict(tokens=333, dim=4096, pooled=2048),
+    ),
+    # black-forest-labs/FLUX.1-dev (11.9B); text: 512 T5 tokens, pooled CLIP-L
+    "flux": dict(
+        family="flux",
+        transformer=dict(
+            patch_size=1,
+            in_channels=64,
+            num_layers=19,
+            num_single_layers=38,
+            attention_head_dim=128,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            pooled_projection_dim=768,
+            guidance_embeds=True,
+            axes_dims_rope=(16, 56, 56),
+        ),
+        vae=FLUX_VAE,
+        # dynamic shift from the image sequence length
+        scheduler=dict(
+            num_train_timesteps=1000,
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+        ),
+        text=dict(tokens=512, dim=4096, pooled=768),
+    ),
+    # Qwen/Qwen-Image (20.4B)
+    "qwenimage": dict(
+        family="qwenimage",
+        transformer=dict(
+            patch_size=2,
+            in_channels=64,
+            out_channels=16,
+            num_layers=60,
+            attention_head_dim=128,
+            num_attention_heads=24,
+            joint_attention_dim=3584,
+            guidance_embeds=False,
+            axes_dims_rope=(16, 56, 56),
+        ),
+        vae=WAN21_VAE,
+        scheduler=dict(
+            num_train_timesteps=1000,
+            shift=1.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=0.9,
+            base_image_seq_len=256,
+            max_image_seq_len=8192,
+            shift_terminal=0.02,
+            time_shift_type="exponential",
+        ),
+        # A prompt after the chat template's prefix is tens of tokens; 128 is a long one.
+        text=dict(tokens=128, dim=3584),
+    ),
+    # Wan-AI/Wan2.1-T2V-1.3B-Diffusers: transformer 30 blocks of 12 x 128 = 1536 wide; UniPC flow
+    # schedule (its scheduler_config.json: flow_shift 3.0); UMT5-XXL states padded to 512 tokens.
+    "wan1p3b": dict(
+        family="wan",
+        transformer=dict(
+            patch_size=(1, 2, 2),
+            num_attention_heads=12,
+            attention_head_dim=128,
+            in_channels=16,
+            out_channels=16,
+            text_dim=4096,
+            freq_dim=256,
+            ffn_dim=8960,
+            num_layers=30,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            eps=1e-6,
+            rope_max_seq_len=1024,
+        ),
+        vae=WAN21_VAE,
+        scheduler_class="UniPCMultistepScheduler",
+        scheduler=dict(
+            num_train_timesteps=1000,
+            prediction_type="flow_prediction",
+            use_flow_sigmas=True,
+            flow_shift=3.0,
+            solver_order=2,
+            final_sigmas_type="zero",
+        ),
+        text=dict(tokens=512, dim=4096),
+    ),
+}
+# Wan-AI/Wan2.1-T2V-14B-Diffusers: 40 blocks of 40 x 128 = 5120 wide, FFN 13824; VAE, scheduler and text
+# as the 1.3B's (the schedule's shift does not change the cost of a step).
+SPECS["wan14b"] = dict(
+    SPECS["wan1p3b"],
+    transformer=dict(SPECS["wan1p3b"]["transformer"], num_attention_heads=40, ffn_dim=13824, num_layers=40),
+)
+# Wan-AI/Wan2.2-T2V-A14B-Diffusers: two experts of the Wan 2.1 14B config (transformer/ and
+# transformer_2/ config.json: 40 blocks of 40 x 128, FFN 13824, 16 channels in and out, text_dim 4096),
+# the Wan 2.1 VAE (z_dim 16), boundary_ratio 0.875 (its model_index.json). The flow shift is the
+# official sampler's (Wan-Video/Wan2.2 wan/configs/wan_t2v_A14B.py: sample_shift 12.0, boundary 0.875):
+# it sets how many steps fall to each expert (σ ≥ 0.368 before the shift is high-noise), not their cost.
+SPECS["wan22a14b"] = dict(
+    SPECS["wan14b"],
+    scheduler=dict(SPECS["wan14b"]["scheduler"], flow_shift=12.0),
+    experts=2,
+    boundary_ratio=0.875,
+)
