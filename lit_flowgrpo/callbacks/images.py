@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from lit_flowgrpo.callbacks._lightning import rollout_step
 from lit_flowgrpo.callbacks._module import as_mapping
-from lit_flowgrpo.callbacks.grids import captioned_grid, image_grid
+from lit_flowgrpo.callbacks.grids import captioned_grid
 from lit_flowgrpo.callbacks.videos import (
     captioned_video,
     downscale,
@@ -29,7 +29,7 @@ from lit_flowgrpo.callbacks.videos import (
 )
 from lit_flowgrpo.step_output import StepOutput, ValidationOutput
 
-__all__ = ["SampleImageLogger", "captioned_grid", "image_grid"]
+__all__ = ["SampleImageLogger"]
 
 
 class SampleImageLogger(Callback):

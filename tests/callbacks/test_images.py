@@ -18,7 +18,7 @@ from PIL import Image
 from torch import Tensor
 
 from lit_flowgrpo.callbacks import SampleImageLogger
-from lit_flowgrpo.callbacks.images import captioned_grid
+from lit_flowgrpo.callbacks.grids import captioned_grid
 
 
 def sample_outputs(n_batches: int, b: int = 3) -> list[dict[str, Any]]:
