@@ -37,13 +37,15 @@ weight is read):
 - strategies FlowGRPOModule cannot run under are refused by name before Lightning's own checks;
 - a command line that does not parse is searched for known mistakes (``cli_diagnosis``), which are
   reported with the valid choices instead of jsonargparse's report;
-- (the checks of a parsed command line are in ``cli_checks``, those of ``--ckpt_path`` in ``cli_resume``)
 - the full resolved config goes to every logger and to ``config.yaml`` in the run's own log folder,
   with the files it names as absolute paths;
 - the start is quiet: the model summary counts parameters only (Lightning's "modules in eval mode"
   and its FLOP count, 0 for a module whose forward is not the training computation, are left out:
   ``RLThroughputMonitor`` measures FLOPs and MFU), and Lightning's advertisement for its cloud
   logger is not shown.
+
+The checks of a parsed command line live in :mod:`lit_flowgrpo.cli_checks`, those of ``--ckpt_path``
+and of a resume's settings in :mod:`lit_flowgrpo.cli_resume`; this file wires them into LightningCLI.
 """
 
 from __future__ import annotations
