@@ -136,6 +136,22 @@ def group_seed(seed: int, step: int, group_id: int) -> int:
     return _mix(seed, step, group_id, 0x6E0A)
 
 
+def split_problems(samples_per_step: int, ranks: int) -> list[str]:
+    """The rule of a step's batch against the data-parallel ranks, in one place: its M·K samples
+    split evenly over them (each rank generates the same number). Checked at setup with the update's
+    own rules (:meth:`lit_flowgrpo.update.UpdateSettings.batch_problems`).
+
+    >>> split_problems(12, 4)
+    []
+    """
+    if samples_per_step % ranks:
+        return [
+            f"--data.init_args.prompts_per_step × --data.init_args.group_size ({samples_per_step}) must be a "
+            f"multiple of the number of data-parallel ranks ({ranks}): change either"
+        ]
+    return []
+
+
 class GroupSampler:
     """Which prompts each rank generates at each step.
 
@@ -157,12 +173,9 @@ class GroupSampler:
         self, num_prompts: int, prompts_per_step: int, group_size: int, world_size: int, rank: int, seed: int
     ) -> None:
         total = prompts_per_step * group_size
-        if total % world_size:
-            raise ValueError(
-                f"--data.init_args.prompts_per_step × --data.init_args.group_size ({prompts_per_step} × {group_size} = {total}) "
-                f"must divide across {world_size} ranks: change either so the product is a multiple of "
-                f"{world_size}"
-            )
+        problems = split_problems(total, world_size)
+        if problems:  # the module's setup refuses it first (UpdateSettings.batch_problems)
+            raise ValueError(problems[0])
         self.num_prompts = num_prompts
         self.prompts_per_step = prompts_per_step
         self.group_size = group_size

@@ -1,14 +1,17 @@
 """The data-parallel view of the trainer's ranks: who this rank's data-parallel peers are, how their
 tensors are gathered and averaged, and how kept samples are re-dealt among them.
 
-Without sequence parallelism every rank is a data-parallel peer (DDP, FSDP2 per block), and the view
-is the trainer's world. With ``--model.init_args.performance.sequence_parallel`` = sp > 1 the world is
-a (dp, sp) grid: the sp consecutive ranks ``d·sp … d·sp + sp − 1`` form one sequence-parallel group
-that holds the same samples (the same prompts, seeds, rollouts, rewards and losses) and splits each
-sample's tokens inside the transformer (:mod:`lit_flowgrpo.sequence_parallel`); the groups are the
-data-parallel peers, ``world / sp`` of them, and rank ``r`` is peer ``r // sp``. This is the one place
-that knows it: the module, the data module, the metrics and the callbacks ask it, not
-``trainer.global_rank`` / ``world_size``.
+Without sequence parallelism every rank is a data-parallel peer (DDP, FSDP2), and the view is the
+trainer's world. With ``--model.init_args.performance.sequence_parallel`` = sp > 1 the world is a
+(dp, sp) grid: the sp consecutive ranks ``d·sp … d·sp + sp − 1`` form one sequence-parallel group that
+holds the same samples (the same prompts, seeds, rollouts, rewards and losses) and splits each sample's
+tokens inside the transformer (:mod:`lit_flowgrpo.sequence_parallel`); the groups are the data-parallel
+peers, ``world / sp`` of them, and rank ``r`` is peer ``r // sp``.
+
+The grid is a :class:`ParallelLayout`, built once per run, collectively, and held by the trainer's
+strategy (:func:`lit_flowgrpo.strategies.parallel_layout`), as verl's Ulysses sharding manager is
+handed its ``("dp", "sp")`` device mesh: the module, the data module, the metrics and the callbacks get
+their :class:`DataParallel` view from it, and read nothing from the LightningModule.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "LAYOUT_ATTRIBUTE",
     "DataParallel",
+    "ParallelLayout",
     "balance_moves",
-    "device_mesh",
     "load_balance",
     "receive_rows",
     "send_rows",
@@ -32,7 +36,59 @@ __all__ = [
 #: The mesh's dimension names: data-parallel peers, then diffusers' context-parallel dimensions
 #: (``ContextParallelConfig`` looks its ``"ring"`` and ``"ulysses"`` dimensions up by name).
 MESH_DIMS = ("dp", "ring", "ulysses")
-_MESHES: dict[tuple[Any, ...], Any] = {}
+#: The attribute of a Lightning strategy that holds its run's :class:`ParallelLayout`.
+LAYOUT_ATTRIBUTE = "parallel_layout"
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The run's ranks as a (dp, sp) grid, and the device mesh that names it.
+
+    Args:
+        rank: this process's rank in the world.
+        world: the number of ranks.
+        sequence_parallel: ranks per sample (sp); they hold the same samples and split their tokens.
+        strategy: the Lightning strategy whose collectives reach the ranks (``None``: one process).
+        mesh: the (dp, ring = 1, ulysses = sp) ``DeviceMesh`` when sp > 1 (diffusers' context
+            parallelism reads its ``ring`` and ``ulysses`` dimensions); ``None`` otherwise.
+    """
+
+    rank: int = 0
+    world: int = 1
+    sequence_parallel: int = 1
+    strategy: Any = None
+    mesh: Any = None
+
+    @classmethod
+    def build(
+        cls, strategy: Any, sequence_parallel: int = 1, rank: int | None = None, world: int | None = None
+    ) -> ParallelLayout:
+        """The layout of ``strategy``'s ranks (``rank`` of ``world``: the strategy's own unless given)
+        with ``sequence_parallel`` ranks per sample.
+
+        With sp > 1 this builds the mesh, which creates process groups collectively: every rank calls
+        it at the same point (the strategy's owner does, in the module's ``setup``). Rank r sits at
+        (r // sp, 0, r % sp): each sequence-parallel group is sp consecutive ranks (on one node as long
+        as sp divides the GPUs per node, so the attention's all-to-all stays on NVLink). The setting is
+        checked before, once (:func:`lit_flowgrpo.sequence_parallel.sequence_parallel_problems`); a
+        world it does not divide fails here, in the mesh's own check.
+        """
+        rank = getattr(strategy, "global_rank", 0) if rank is None else rank
+        world = getattr(strategy, "world_size", 1) if world is None else world
+        mesh = None
+        if sequence_parallel > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shape = (world // sequence_parallel, 1, sequence_parallel)
+            mesh = init_device_mesh(strategy.root_device.type, shape, mesh_dim_names=MESH_DIMS)
+        return cls(rank, world, sequence_parallel, strategy, mesh)
+
+    @property
+    def data_parallel(self) -> DataParallel:
+        """This rank among its data-parallel peers."""
+        sp = self.sequence_parallel
+        group = None if self.mesh is None else self.mesh["dp"].get_group()
+        return DataParallel(self.rank // sp, self.world // sp, self.strategy, sp, group)
 
 
 @dataclass(frozen=True)
@@ -44,35 +100,29 @@ class DataParallel:
         size: how many peers share the batch.
         strategy: the Lightning strategy whose collectives reach the peers (``None``: one process).
         sequence_parallel: ranks per peer, which hold the same samples and split their tokens.
+        group: the process group of the peers (``None``: the default group, every rank): with
+            sequence parallelism, the ranks at this rank's place in every sequence-parallel group.
+            Metrics that reduce over the peers take it as their ``process_group``.
     """
 
     rank: int = 0
     size: int = 1
     strategy: Any = None
     sequence_parallel: int = 1
+    group: Any = None
 
     @classmethod
     def of(cls, trainer: Any) -> DataParallel:
-        """The view of ``trainer``'s ranks (one process when there is no trainer)."""
+        """The view of ``trainer``'s ranks, from the layout its strategy holds (every rank a peer when
+        it holds none; one process when there is no trainer)."""
         if trainer is None:
             return cls()
         # getattr: stand-in trainers (tests) carry only what their check reads.
-        rank, strategy = getattr(trainer, "global_rank", 0), getattr(trainer, "strategy", None)
-        sp = sequence_parallel_of(trainer)
-        world = trainer.world_size
-        if world % sp:
-            # The module's setup refuses this first, naming the flag; a view of a partial peer would
-            # deal samples to ranks that do not exist.
-            raise ValueError(f"sequence_parallel ({sp}) does not divide the {world} ranks")
-        return cls(rank=rank // sp, size=world // sp, strategy=strategy, sequence_parallel=sp)
-
-    @property
-    def group(self) -> Any:
-        """The process group of the peers (``None``: the default group, every rank): with sequence
-        parallelism, the ranks at this rank's place in every sequence-parallel group."""
-        if self.sequence_parallel == 1:
-            return None
-        return device_mesh(self.sequence_parallel, self.strategy.root_device.type)["dp"].get_group()
+        strategy = getattr(trainer, "strategy", None)
+        layout = getattr(strategy, LAYOUT_ATTRIBUTE, None)
+        if isinstance(layout, ParallelLayout):
+            return layout.data_parallel
+        return cls(rank=getattr(trainer, "global_rank", 0), size=trainer.world_size, strategy=strategy)
 
     @property
     def gradient_scale(self) -> float:
@@ -127,33 +177,6 @@ class DataParallel:
         gathered = {name: self.stack(block) for name, block in blocks.items()}  # (R, width, ...)
         rows, n_kept = receive_rows(rows, kept, moves, self.rank, gathered)
         return {name: t.bool() if name in flags else t for name, t in rows.items()}, n_kept
-
-
-def sequence_parallel_of(trainer: Any) -> int:
-    """Ranks per sample of ``trainer``'s run: what its LightningModule declares as
-    ``sequence_parallel`` (``FlowGRPOModule``: ``performance.sequence_parallel``), else 1."""
-    module = getattr(trainer, "lightning_module", None)
-    sp = getattr(module, "sequence_parallel", 1)
-    return sp if isinstance(sp, int) and sp >= 1 else 1
-
-
-def device_mesh(sequence_parallel: int, device_type: str) -> Any:
-    """The (dp, ring = 1, ulysses = sp) device mesh of the world, built once per process group.
-
-    Rank r sits at (r // sp, 0, r % sp): each sequence-parallel group is sp consecutive ranks (on one
-    node as long as sp divides the GPUs per node, so the attention's all-to-all stays on NVLink). Every
-    rank must call this at the same point the first time (building a mesh creates process groups
-    collectively); ``FlowGRPOModule.configure_model`` does.
-    """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    world = dist.get_world_size()
-    key = (dist.group.WORLD, world, sequence_parallel, device_type)  # a new process group, a new mesh
-    if key not in _MESHES:
-        shape = (world // sequence_parallel, 1, sequence_parallel)
-        _MESHES[key] = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-    return _MESHES[key]
 
 
 def balanced_counts(counts: Sequence[int]) -> list[int]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Float8FrozenLinear", "convert_frozen_linears", "fp8_supported"]
+__all__ = ["Float8FrozenLinear", "convert_frozen_linears", "fp8_problems", "fp8_supported"]
 
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(_FP8).max  # 448
@@ -36,6 +36,49 @@ _FP8_MAX = torch.finfo(_FP8).max  # 448
 def fp8_supported(device: torch.device) -> bool:
     """Whether ``device`` has float8 tensor cores (compute capability 8.9 or newer)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_problems(
+    flag: str = "--model.init_args.performance",
+    *,
+    full_fine_tune: bool = False,
+    rollout_merged_lora: bool = False,
+    device: torch.device | None = None,
+    sharded: bool = False,
+) -> list[str]:
+    """Every rule of ``fp8_base_matmuls`` (on), in one place: what the settings alone exclude (a full
+    fine-tune, merged sampling), and, given the run's ``device`` and whether its strategy shards the
+    weights (``sharded``), what the run cannot give. ``PerformanceSettings.problems`` asks the first
+    part with the settings; the module's setup asks the second with the strategy."""
+    p = []
+    if full_fine_tune:
+        p.append(
+            f"{flag}.fp8_base_matmuls with a full fine-tune (--model.init_args.lora=null): it converts the "
+            "frozen linear layers, and a full fine-tune trains them all; set --model.init_args.lora, or drop "
+            "the setting"
+        )
+    if rollout_merged_lora:
+        p.append(
+            f"{flag}.fp8_base_matmuls and {flag}.rollout_merged_lora: the merged weights would bypass the "
+            "float8 copies of the base; choose one"
+        )
+    if sharded:
+        p.append(
+            f"{flag}.fp8_base_matmuls keeps whole float8 copies of the frozen weights on every rank, which "
+            "defeats --trainer.strategy=fsdp2: use ddp, or drop it"
+        )
+    elif device is not None and device.type == "cuda":
+        if torch.torch_version.TorchVersion(torch.__version__) < (2, 5):
+            p.append(
+                f"{flag}.fp8_base_matmuls needs torch 2.5 or newer (a scale per row in torch._scaled_mm); "
+                f"this is {torch.__version__}: upgrade torch or set it to false"
+            )
+        elif not fp8_supported(device):
+            p.append(
+                f"{flag}.fp8_base_matmuls needs float8 tensor cores (compute capability 8.9+: Ada, Hopper or "
+                f"newer); {torch.cuda.get_device_name(device)} has none: set it to false"
+            )
+    return p
 
 
 def _quantize_rows(t: Tensor) -> tuple[Tensor, Tensor]:

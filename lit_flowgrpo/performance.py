@@ -121,7 +121,7 @@ class PerformanceSettings:
         activation_checkpointing: recompute each transformer block's activations in the update's
             backward instead of keeping them (diffusers' ``enable_gradient_checkpointing``): the
             activation memory of one block instead of all, for about one more forward per update
-            pass. Any strategy (``FSDP2Strategy(activation_checkpointing=true)`` is the same lever).
+            pass. The one flag for it, under any strategy (DDP, fsdp2, one device).
         rollout_merged_lora: sample the rollout (and validation) with each LoRA delta merged into a
             copy of its base weight, which costs the memory of the adapted weights (bf16). Not exact
             (see the module docstring): watch ``actor/on_policy_ratio_err``. Single-device and DDP
@@ -158,15 +158,17 @@ class PerformanceSettings:
         prompts): of the attention kernel, known from the config alone (:meth:`apply` would find them
         only once the weights are loaded)."""
         p = []
-        for setting, why in (
-            ("fp8_base_matmuls", "converts the frozen linear layers, and a full fine-tune trains them all"),
-            ("rollout_merged_lora", "merges a LoRA adapter, and a full fine-tune has none"),
-        ):
-            if full_fine_tune and getattr(self, setting):
-                p.append(
-                    f"{flag}.{setting} with a full fine-tune (--model.init_args.lora=null): it {why}; "
-                    "set --model.init_args.lora, or drop the setting"
-                )
+        if self.fp8_base_matmuls:
+            from lit_flowgrpo.fp8 import fp8_problems
+
+            p += fp8_problems(
+                flag, full_fine_tune=full_fine_tune, rollout_merged_lora=self.rollout_merged_lora
+            )
+        if full_fine_tune and self.rollout_merged_lora:
+            p.append(
+                f"{flag}.rollout_merged_lora with a full fine-tune (--model.init_args.lora=null): it merges a "
+                "LoRA adapter, and a full fine-tune has none; set --model.init_args.lora, or drop the setting"
+            )
         if isinstance(self.sequence_parallel, bool) or not isinstance(self.sequence_parallel, int):
             p.append(f"{flag}.sequence_parallel ({self.sequence_parallel!r}) must be a whole number of ranks")
         elif self.sequence_parallel < 1:
@@ -193,11 +195,6 @@ class PerformanceSettings:
                 f"{flag}.compile_mode={self.compile_mode} (CUDA graphs) and {flag}.rollout_merged_lora: each "
                 "rollout swaps in new merged weights, whose addresses the recorded graphs do not read, so "
                 "they would be recorded again at every rollout; choose one"
-            )
-        if self.fp8_base_matmuls and self.rollout_merged_lora:
-            p.append(
-                f"{flag}.fp8_base_matmuls and {flag}.rollout_merged_lora: the merged weights would bypass "
-                "the float8 copies of the base; choose one"
             )
         if self.compile_blocks:
             import torch._dynamo
@@ -288,9 +285,7 @@ class PerformanceSettings:
             )
         if self.rollout_merged_lora:
             _mergeable_lora_layers(transformer)  # fails now, not at the first rollout
-        if self.fp8_base_matmuls:
-            if self.rollout_merged_lora:
-                raise ValueError(next(p for p in self.problems() if "fp8_base_matmuls" in p))
+        if self.fp8_base_matmuls:  # its rules: lit_flowgrpo.fp8.fp8_problems, checked before loading
             from lit_flowgrpo.fp8 import convert_frozen_linears
 
             if not convert_frozen_linears(repeated_blocks(transformer, "fp8_base_matmuls")):

@@ -19,7 +19,8 @@ by recomputing the local attention, whereas its ring attention needs the log-sum
 backend does not return. Ring attention (flash / cuDNN backends, GPU only) is not offered.
 
 The data side (which ranks hold which samples, the gathers of rewards and metrics over data-parallel
-peers only) is :mod:`lit_flowgrpo.distributed`'s.
+peers only) is :mod:`lit_flowgrpo.distributed`'s; its :class:`~lit_flowgrpo.distributed.ParallelLayout`
+holds the (dp, ring, ulysses) mesh the hooks are attached on, built once per run and handed here.
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_flowgrpo.distributed import device_mesh
-
 __all__ = ["FLAG", "attach_sequence_parallel", "sequence_parallel_problems", "size_problems"]
 
 FLAG = "--model.init_args.performance.sequence_parallel"
@@ -39,7 +38,9 @@ FLAG = "--model.init_args.performance.sequence_parallel"
 def sequence_parallel_problems(sp: int, world: int, strategy: Any, policy: Any, sampler: Any) -> list[str]:
     """What stops ``sp`` ranks per sample in this run, known before any weight is read: the world
     size, the strategy, and the policy's own answer (its transformer's plan, heads and token count
-    at the sampler's size)."""
+    at the sampler's size). The one check of the setting against the run, made before its layout is
+    built (:func:`lit_flowgrpo.placement.build_layout`); the value alone (a whole number ≥ 1) is
+    :class:`~lit_flowgrpo.performance.PerformanceSettings`'."""
     if sp == 1:
         return []
     if world % sp:
@@ -89,17 +90,19 @@ def _splits(strategy: Any) -> bool:
     return isinstance(strategy, DDPStrategy | ModelParallelStrategy)
 
 
-def attach_sequence_parallel(network: nn.Module, sp: int, device: torch.device) -> None:
+def attach_sequence_parallel(network: nn.Module, mesh: Any, device: torch.device) -> None:
     """Split ``network``'s tokens over the sp ranks of this rank's group, with diffusers' own hooks
     (its ``_cp_plan``) and its Ulysses attention.
+
+    ``mesh``: the run's (dp, ring = 1, ulysses = sp) device mesh
+    (:attr:`lit_flowgrpo.distributed.ParallelLayout.mesh`, built once per run by the strategy's owner).
 
     Written as the context-parallel branch of diffusers' ``ModelMixin.enable_parallelism`` (0.42), which
     cannot be called here: it takes the device as ``rank % torch.accelerator.device_count()``, a
     division by zero on a CPU-only host (where the gloo tests run), and it builds a mesh of all ranks
-    when given none. The steps below are its steps, on the (dp, ring, ulysses) mesh of
-    :func:`~lit_flowgrpo.distributed.device_mesh` and this rank's own device: the config set up on
-    that mesh, the attention backend checked, every attention processor given the config, the plan's
-    hooks registered.
+    when given none. The steps below are its steps, on the given mesh and this rank's own device: the
+    config set up on that mesh, the attention backend checked, every attention processor given the
+    config, the plan's hooks registered.
     """
     import torch.distributed as dist
     from diffusers import ContextParallelConfig, ParallelConfig
@@ -109,12 +112,12 @@ def attach_sequence_parallel(network: nn.Module, sp: int, device: torch.device) 
     plan = getattr(network, "_cp_plan", None)
     if plan is None:
         raise ValueError(
-            f"{FLAG} ({sp}): {type(network).__name__} has no context-parallel plan (diffusers' _cp_plan): "
+            f"{FLAG}: {type(network).__name__} has no context-parallel plan (diffusers' _cp_plan): "
             f"set {FLAG}=1"
         )
     if getattr(network, "_parallel_config", None) is not None:
         return  # attached already: a second call would register every hook twice
-    mesh = device_mesh(sp, device.type)
+    sp = mesh["ulysses"].size()
     config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=sp, mesh=mesh))
     config.setup(dist.get_rank(), dist.get_world_size(), device, mesh=mesh)
     for module in network.modules():

@@ -13,6 +13,14 @@ Qwen-Image ``transformer_blocks``), then the transformer itself for the rest (em
 projection); a full fine-tune's frozen reference copy the same way. Text encoders and the VAE are frozen
 and only run in the rollout: they stay replicated.
 
+A LoRA run's frozen base may stay replicated instead (``frozen_weights``): then only the adapter is
+sharded, the whole transformer as one unit. Sharding a small base buys little memory and costs, in
+every forward of the rollout and the update, a gather and a reshard per block, whose host-side launches
+left the GPUs idle (SD3.5-M LoRA on 4 GPUs: 85.9% of DDP's images/GPU/s, ``docs/scaling.md``). One unit
+of adapter weights is gathered once per forward, and FSDP2 keeps its root unit gathered after a forward,
+so the rollout's no-grad forwards gather nothing after the first. ``"auto"`` replicates the base when
+it takes at most a quarter of the GPU's memory (SD3.5-M's 4.9 GB; not FLUX.1's 24 GB on an 80 GB card).
+
 Dtypes, LoRA: FSDP2 all-gathers each parameter in its own dtype, so the frozen base stays in the policy's
 dtype (bf16), a LoRA adapter in fp32, and every forward computes exactly what it computes unsharded (the
 1-GPU equality depends on it). No ``MixedPrecisionPolicy`` is set there: one would cast the fp32 adapter
@@ -50,7 +58,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -59,10 +67,10 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from torch import nn
 
+from lit_flowgrpo.distributed import LAYOUT_ATTRIBUTE, ParallelLayout
 from lit_flowgrpo.errors import SettingsError
-from lit_flowgrpo.performance import enable_activation_checkpointing
 
-__all__ = ["FSDP2Strategy", "reshard", "transformer_blocks"]
+__all__ = ["FSDP2Strategy", "parallel_layout", "reshard", "transformer_blocks"]
 
 _FLAG = "--trainer.strategy"
 
@@ -102,25 +110,30 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     A ``ModelParallelStrategy`` with a one-dimensional mesh (every rank one data-parallel shard, no
     tensor parallelism). The LightningModule applies the sharding in ``configure_model`` through
-    :meth:`shard`; ``FlowGRPOModule`` does so for its transformer.
+    :meth:`shard`; ``FlowGRPOModule`` does so for every network it holds, through
+    :func:`lit_flowgrpo.placement.place`. The strategy also holds the run's (dp, sp) layout
+    (:attr:`parallel_layout`, built once by :func:`parallel_layout`): FSDP2 shards over every rank,
+    and sequence parallelism exchanges tokens within the layout's mesh.
 
     The memory levers are settings of the strategy, since only a sharded run can honour them here;
     give them with the class path::
 
         --trainer.strategy=lit_flowgrpo.strategies.FSDP2Strategy
-        --trainer.strategy.activation_checkpointing=true
+        --trainer.strategy.reshard_after_forward=false
 
     Args:
-        activation_checkpointing: recompute each transformer block's activations in the backward
-            instead of keeping them (the model's own gradient checkpointing, diffusers'
-            ``enable_gradient_checkpointing``): about one more forward per update pass, for the
-            activation memory of all blocks but one. The same as
-            ``--model.init_args.performance.activation_checkpointing``, which any strategy honours.
+        activation_checkpointing: refused: activation checkpointing has one flag,
+            ``--model.init_args.performance.activation_checkpointing``, which every strategy honours.
         cpu_offload: keep the sharded parameters, gradients and optimizer state in host memory
             (FSDP2's ``CPUOffloadPolicy``); each block is copied to the GPU for its forward and backward,
             and the optimizer step runs on the CPU. Needs GPUs.
         reshard_after_forward: free each block's gathered weights after its forward (ZeRO-3); ``False``
             keeps them until the backward (ZeRO-2: less communication, the memory of the whole model).
+        frozen_weights: a LoRA run's frozen base weights: ``"shard"`` them with their blocks, or
+            ``"replicate"`` them on every rank (the memory of DDP) and shard the adapter only, the
+            transformer as one unit (see the module docstring); ``"auto"`` replicates them on GPUs
+            when they take at most a quarter of a GPU's memory and without ``cpu_offload``. A full
+            fine-tune has no frozen base: its blocks are sharded either way.
         save_distributed_checkpoint: write a checkpoint as a folder of per-rank shards; ``False``
             gathers the trainable weights and optimizer state on rank 0 into one file.
         process_group_backend: ``None`` chooses NCCL on GPUs, gloo on CPUs.
@@ -134,6 +147,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
         reshard_after_forward: bool = True,
+        frozen_weights: Literal["auto", "shard", "replicate"] = "auto",
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -145,9 +159,27 @@ class FSDP2Strategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.activation_checkpointing = activation_checkpointing
+        problems = []
+        if activation_checkpointing:
+            problems.append(
+                f"{_FLAG}.activation_checkpointing is no longer a setting of the strategy: use "
+                "--model.init_args.performance.activation_checkpointing=true (the one flag, which every "
+                "strategy honours)"
+            )
+        if frozen_weights not in ("auto", "shard", "replicate"):
+            problems.append(f"{_FLAG}.frozen_weights ({frozen_weights!r}) must be auto, shard or replicate")
+        elif frozen_weights == "replicate" and cpu_offload:
+            problems.append(
+                f"{_FLAG}.frozen_weights=replicate keeps the frozen base on every GPU, and "
+                f"{_FLAG}.cpu_offload=true moves the weights to host memory: choose one"
+            )
+        if problems:
+            raise SettingsError("; ".join(problems))
         self.cpu_offload = cpu_offload
         self.reshard_after_forward = reshard_after_forward
+        self.frozen_weights = frozen_weights
+        #: The run's (dp, sp) layout (:func:`parallel_layout`), built once in the module's setup.
+        self.parallel_layout: ParallelLayout | None = None
 
     # -- processes and mesh -------------------------------------------------------------------------
 
@@ -164,17 +196,32 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     # -- sharding -----------------------------------------------------------------------------------
 
+    def replicates_frozen(self, networks: Sequence[nn.Module]) -> bool:
+        """Whether the frozen base weights of the trained ``networks`` stay whole on every rank
+        (``frozen_weights``; ``"auto"``: on GPUs, without ``cpu_offload``, when they take at most a
+        quarter of this GPU's memory)."""
+        frozen = sum(
+            p.numel() * p.element_size() for n in networks for p in n.parameters() if not p.requires_grad
+        )
+        if self.frozen_weights != "auto" or not frozen:
+            return self.frozen_weights == "replicate" and frozen > 0
+        device = self.root_device
+        if device.type != "cuda" or self.cpu_offload:
+            return False
+        return frozen <= torch.cuda.get_device_properties(device).total_memory / 4
+
     def shard(
         self,
         module: nn.Module,
         master_dtype: torch.dtype | None = None,
         compute_dtype: torch.dtype | None = None,
         offload: bool = False,
+        replicate_frozen: bool = False,
     ) -> None:
         """Shard ``module`` for this strategy: one FSDP2 unit per block, then the module itself.
 
-        Called by the LightningModule's ``configure_model`` on each network to shard (the trained
-        transformer, a frozen reference copy). The module may sit on the CPU: each block moves to its
+        Called by :func:`lit_flowgrpo.placement.place` on each network to shard (the trained
+        transformers, a frozen reference copy). The module may sit on the CPU: each block moves to its
         device as it is sharded, so no rank ever holds the whole model on the GPU.
 
         Args:
@@ -185,6 +232,9 @@ class FSDP2Strategy(ModelParallelStrategy):
                 computed in (``MixedPrecisionPolicy.param_dtype``; gradients reduce in ``master_dtype``).
             offload: keep this network's shards in host memory (``CPUOffloadPolicy``), whatever
                 ``cpu_offload`` says: for a frozen copy that only runs forwards.
+            replicate_frozen: leave its frozen parameters whole (FSDP2's ``ignored_params``; the
+                strategy moves them to the device with the rest of the model) and shard the trainable
+                ones as one unit (:meth:`replicates_frozen`).
         """
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -194,8 +244,6 @@ class FSDP2Strategy(ModelParallelStrategy):
                 f"{_FLAG}=fsdp2: {type(module).__name__} has no nn.ModuleList of blocks to shard as units; "
                 "sharding it as one unit would gather the whole model for every forward"
             )
-        if self.activation_checkpointing and any(p.requires_grad for p in module.parameters()):
-            enable_activation_checkpointing(module, f"{_FLAG}.activation_checkpointing")
         # Pinned host memory needs an accelerator; on CPUs the offload keeps the shards where they are.
         pin = self.root_device.type == "cuda"
         options: dict[str, Any] = {
@@ -205,6 +253,10 @@ class FSDP2Strategy(ModelParallelStrategy):
             if self.cpu_offload or offload
             else OffloadPolicy(),
         }
+        if replicate_frozen:
+            frozen = {p for p in module.parameters() if not p.requires_grad}
+            fully_shard(module, ignored_params=frozen, **options)
+            return
         block_options, root_options = dict(options), dict(options)
         if master_dtype is not None:
             # Inputs are not cast: the policy casts them as on one GPU, and autocast (the transformer's
@@ -535,29 +587,21 @@ def sharding(trainer: Any) -> FSDP2Strategy | None:
     return strategy if isinstance(strategy, FSDP2Strategy) else None
 
 
-def shard_networks(
-    trainer: Any,
-    trained: Sequence[nn.Module],
-    copies: Sequence[nn.Module] = (),
-    *,
-    master_dtype: torch.dtype | None = None,
-    compute_dtype: torch.dtype | None = None,
-    offloaded: Sequence[nn.Module] = (),
-) -> None:
-    """Shard each network under an :class:`FSDP2Strategy`; nothing under any other strategy. The
-    module's ``configure_model`` hands over every network it holds: the ``trained`` ones (cast to
-    ``master_dtype``, computing in ``compute_dtype``) and the frozen ``copies`` (a reference copy,
-    DiffusionNFT's old policy), of which those in ``offloaded`` keep their shards in host memory. The
-    copies gather as the trained networks do (their blocks in ``compute_dtype``), so that they compute
-    alike; a frozen copy has no parameter to cast."""
-    strategy = sharding(trainer)
-    if strategy is None:
-        return
-    dtypes = dict(master_dtype=master_dtype, compute_dtype=compute_dtype)
-    for network in trained:
-        strategy.shard(network, **dtypes)
-    for network in copies:
-        strategy.shard(network, offload=any(network is o for o in offloaded), **dtypes)
+def parallel_layout(
+    strategy: Any, sequence_parallel: int = 1, rank: int | None = None, world: int | None = None
+) -> ParallelLayout:
+    """The (dp, sp) layout of ``strategy``'s ranks (``rank`` of ``world``: the trainer's), built once
+    and held by the strategy, where the data module, the callbacks and
+    :meth:`DataParallel.of <lit_flowgrpo.distributed.DataParallel.of>` find it. :class:`FSDP2Strategy`
+    declares it; another strategy (DDP, one device) carries it as one attribute. A collective the
+    first time with sp > 1: every rank calls it at the same point (the module's ``setup``)."""
+    held = getattr(strategy, LAYOUT_ATTRIBUTE, None)
+    same = isinstance(held, ParallelLayout) and held.sequence_parallel == sequence_parallel
+    if same and world in (None, held.world) and rank in (None, held.rank):
+        return held
+    layout = ParallelLayout.build(strategy, sequence_parallel, rank, world)
+    setattr(strategy, LAYOUT_ATTRIBUTE, layout)
+    return layout
 
 
 def strategy_problems(trainer: Any, dm: Any, performance: Any, offload_reference: bool = False) -> list[str]:
@@ -577,24 +621,12 @@ def strategy_problems(trainer: Any, dm: Any, performance: Any, offload_reference
             f"streams the reference copy's shards in block by block; under {name} drop it (or shard the run)"
         ]
     if getattr(performance, "fp8_base_matmuls", False):
-        from lit_flowgrpo.fp8 import fp8_supported
+        from lit_flowgrpo.fp8 import fp8_problems
 
-        if isinstance(strategy, FSDP2Strategy):
-            return [
-                "--model.init_args.performance.fp8_base_matmuls keeps whole float8 copies of the frozen weights "
-                "on every rank, which defeats --trainer.strategy=fsdp2: use ddp, or drop it"
-            ]
-        device = strategy.root_device
-        if device.type == "cuda" and torch.torch_version.TorchVersion(torch.__version__) < (2, 5):
-            return [
-                f"--model.init_args.performance.fp8_base_matmuls needs torch 2.5 or newer (a scale per row in "
-                f"torch._scaled_mm); this is {torch.__version__}: upgrade torch or set it to false"
-            ]
-        if device.type == "cuda" and not fp8_supported(device):
-            return [
-                f"--model.init_args.performance.fp8_base_matmuls needs float8 tensor cores (compute capability 8.9+: "
-                f"Ada, Hopper or newer); {torch.cuda.get_device_name(device)} has none: set it to false"
-            ]
+        sharded = isinstance(strategy, FSDP2Strategy)
+        problems = fp8_problems(device=None if sharded else strategy.root_device, sharded=sharded)
+        if problems:
+            return problems
     if not isinstance(strategy, FSDP2Strategy):
         return []
     if getattr(performance, "rollout_merged_lora", False):

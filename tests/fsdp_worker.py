@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
 from lit_flowgrpo.advantages import AdvantageSettings, DiversityBonus, KLGate
 from lit_flowgrpo.callbacks import RLThroughputMonitor, TrainableEMA
-from lit_flowgrpo.lora import ReferenceSettings
+from lit_flowgrpo.copies import ReferenceSettings
 from lit_flowgrpo.objective import DiffusionNFT
 from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies import SD3Policy
@@ -242,6 +242,9 @@ def run(config: dict[str, Any]) -> None:
         info = {
             "sharded_blocks": sum(isinstance(b, FSDPModule) for b in transformer_blocks(transformer)),
             "dtensor_params": all(isinstance(p, DTensor) for p in transformer.parameters()),
+            "dtensor_trainable": all(
+                isinstance(p, DTensor) for p in transformer.parameters() if p.requires_grad
+            ),
             "gradient_checkpointing": bool(transformer.gradient_checkpointing),
             "compiled_blocks": sum(
                 getattr(b, "_compiled_call_impl", None) is not None for b in transformer_blocks(transformer)
@@ -258,7 +261,7 @@ def run(config: dict[str, Any]) -> None:
             info["param_dtypes"] = sorted({str(p.dtype) for p in transformer.parameters()})
             info["gather_dtype"] = str(group(first).mp_policy.param_dtype)
             info["root_gather_dtype"] = str(group(transformer).mp_policy.param_dtype)
-            reference = module.weights.reference_network
+            reference = module.copies.kl_reference.network
             if reference is not None:
                 info["reference_dtypes"] = sorted({str(p.dtype) for p in reference.parameters()})
                 info["reference_gather_dtype"] = str(
@@ -289,18 +292,13 @@ def stateful_parts(module: RecordingModule, trainer: L.Trainer) -> dict[str, Any
     the data position and the optimizer-step count."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    weights = module.weights
     optimizer = trainer.optimizers[0]
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    gate = module.advantage.kl_gate
     return {
-        "old_policy": _whole(weights.old_state_dict(module.policy)),
-        "reference": _whole(weights.reference_state_dict(module.policy)),
+        # Every part's state (the old policy, a moving reference, the KL gate, counters, idle guard).
+        **{key: _whole(state) for key, state in module.parts.state_dict().items()},
         "optimizer": _whole(get_optimizer_state_dict(module, optimizer, options=options)),
         "scheduler": _whole(trainer.lr_scheduler_configs[0].scheduler.state_dict()),
-        "kl_gate": None if gate is None else gate.state_dict(),
-        "counters": dict(module._counters),
-        "idle_rollouts": module._idle.count,
         "data": trainer.datamodule.state_dict(),
         "global_step": trainer.global_step,
     }

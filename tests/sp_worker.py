@@ -39,11 +39,11 @@ class Recorder(FlowGRPOModule):
         super().__init__(**kwargs)
         self.out = out
 
-    def _update(self, rollout, step):
+    def _update(self, rollout, step, *rest):
         traj = rollout.trajectory
         record = {"sample_ids": rollout.sample_ids, "final": traj.final, "log_probs": traj.log_probs}
         torch.save({k: v.detach().cpu() for k, v in record.items()}, self._path(f"rollout_step{step}.pt"))
-        return super()._update(rollout, step)
+        return super()._update(rollout, step, *rest)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         rows = [

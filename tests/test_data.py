@@ -60,7 +60,8 @@ def test_ranks_split_the_one_rank_draw(world_size: int) -> None:
 def test_indivisible_batch_names_the_settings() -> None:
     with pytest.raises(
         ValueError,
-        match=r"--data\.init_args\.prompts_per_step × --data\.init_args\.group_size \(3 × 4 = 12\)",
+        match=r"--data\.init_args\.prompts_per_step × --data\.init_args\.group_size \(12\) must be a "
+        r"multiple of the number of data-parallel ranks \(5\)",
     ):
         GroupSampler(NUM_PROMPTS, M, K, world_size=5, rank=0, seed=0)
 

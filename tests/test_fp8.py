@@ -7,10 +7,16 @@ import pytest
 import torch
 from torch import nn
 
-from lit_flowgrpo.fp8 import Float8FrozenLinear, _quantize_rows, convert_frozen_linears, fp8_supported
-from lit_flowgrpo.lora import LoraSettings, TrainableWeights
+from lit_flowgrpo.fp8 import (
+    Float8FrozenLinear,
+    _quantize_rows,
+    convert_frozen_linears,
+    fp8_problems,
+    fp8_supported,
+)
 from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies import SD3Policy
+from lit_flowgrpo.weights import LoraSettings, TrainableWeights
 
 # e4m3 keeps 3 mantissa bits: rounding to it moves a value by at most 2^-4 of itself (the scale maps
 # each row's largest magnitude to 448, inside the normal range, so nothing underflows that matters at
@@ -161,12 +167,22 @@ def test_a_full_fine_tune_has_no_frozen_linear_to_convert(tiny_sd3_path):
         _policy(tiny_sd3_path, None, PerformanceSettings(fp8_base_matmuls=True))
 
 
-def test_fp8_and_merged_sampling_exclude_each_other(tiny_sd3_path):
+def test_fp8_and_merged_sampling_exclude_each_other():
     settings = PerformanceSettings(fp8_base_matmuls=True, rollout_merged_lora=True)
     (problem,) = settings.problems()
     assert "fp8_base_matmuls" in problem and "rollout_merged_lora" in problem
-    with pytest.raises(ValueError, match=r"fp8_base_matmuls and .*rollout_merged_lora"):
-        _policy(tiny_sd3_path, LoraSettings(rank=4, alpha=8), settings)  # apply() alone refuses too
+
+
+def test_every_rule_of_fp8_base_matmuls_is_one_function():
+    """The settings' rules and the run's (strategy, device), in one place (``fp8_problems``): what
+    ``PerformanceSettings.problems`` reports at construction and the module's setup under a strategy."""
+    assert fp8_problems() == [] and fp8_problems(device=torch.device("cpu")) == []
+    (full,) = fp8_problems(full_fine_tune=True)
+    assert full == PerformanceSettings(fp8_base_matmuls=True).problems(full_fine_tune=True)[0]
+    assert "with a full fine-tune (--model.init_args.lora=null)" in full
+    (sharded,) = fp8_problems(sharded=True)
+    assert "defeats --trainer.strategy=fsdp2: use ddp" in sharded
+    assert PerformanceSettings().problems(full_fine_tune=True) == []  # off: no rule applies
 
 
 @pytest.mark.gpu

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from lit_flowgrpo import FlowGRPOModule, LoraSettings, PromptDataModule
+from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.policies import SD3Policy
 from lit_flowgrpo.strategies import FSDP2Strategy, transformer_blocks
 
@@ -77,7 +78,7 @@ def test_fsdp2_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tm
     config = dict(pipeline=tiny_sd3_path, prompts=prompt_file, max_grad_norm=1e-3, lr=0.1, max_steps=2)
     lr, max_norm, steps = 0.1, 1e-3, 2
     strategies = {
-        "fsdp": dict(activation_checkpointing=True),  # recomputation is exact: same numbers
+        "fsdp": dict(),  # with activation checkpointing (the performance flag): recomputation is exact
         # Units stay gathered after every forward (the FLOP count's, the rollout's, validation's): code
         # that reads parameters outside a forward/backward pair sees the gathered copies unless it
         # reshards first (the FLOP count's backward once leaked into step 0's gradient so).
@@ -85,8 +86,13 @@ def test_fsdp2_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tm
         # Each block compiled (dynamo's "eager" backend runs the captured ops unchanged: this checks
         # that compiled blocks trace through FSDP2's units and compute what the plain blocks do).
         "compiled": dict(),
+        # The frozen base whole on every rank, the adapter sharded as one unit per transformer.
+        "replicated": dict(frozen_weights="replicate"),
     }
-    performance = {"compiled": dict(compile_blocks=True, compile_backend="eager")}
+    performance = {
+        "fsdp": dict(activation_checkpointing=True),
+        "compiled": dict(compile_blocks=True, compile_backend="eager"),
+    }
     procs = [
         torchrun(
             dict(
@@ -112,6 +118,7 @@ def test_fsdp2_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tm
     assert info == {
         "sharded_blocks": 2,
         "dtensor_params": True,
+        "dtensor_trainable": True,
         "gradient_checkpointing": True,
         "compiled_blocks": 0,
     }
@@ -126,12 +133,17 @@ def test_fsdp2_two_processes_equal_single_process(tiny_sd3_path, prompt_file, tm
     assert zero2 == {
         "sharded_blocks": 2,
         "dtensor_params": True,
+        "dtensor_trainable": True,
         "gradient_checkpointing": False,
         "compiled_blocks": 0,
         "flops": [fwd, fwd_bwd],
     }
     compiled = json.loads((tmp_path / "compiled" / "info.json").read_text())
     assert compiled["sharded_blocks"] == compiled["compiled_blocks"] == 2
+    # Replicated: no block is a unit of its own, and only the adapter's parameters are sharded.
+    replicated = json.loads((tmp_path / "replicated" / "info.json").read_text())
+    assert (replicated["sharded_blocks"], replicated["dtensor_params"]) == (0, False)
+    assert replicated["dtensor_trainable"] and replicated["flops"] == [fwd, fwd_bwd]
     from diffusers import StableDiffusion3Pipeline
 
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_path)
@@ -311,8 +323,8 @@ def test_fsdp2_resume_restores_every_stateful_part(tiny_sd3_path, prompt_file, t
     schedule, AdamW's moments, the decaying learning rate, GARDO's KL-gate controller, the trainable
     EMA, the module's counters, the data position).
 
-    Two runs of each kind: a LoRA whose copies are stored adapter tensors (sharded like the adapter),
-    checkpointed as a folder of per-rank shards, with GARDO's gated KL and a reference refreshed every
+    Two runs of each kind: a LoRA whose copies are stored adapter tensors (sharded like the adapter,
+    over a replicated frozen base), checkpointed as a folder of per-rank shards, with GARDO's gated KL and a reference refreshed every
     2 optimizer steps (the checkpoint falls on a refresh, the resumed run refreshes again at step 4);
     and a full fine-tune whose copies are whole sharded transformers, checkpointed as one file gathered
     on rank 0 (``save_distributed_checkpoint=False``), with an EMA reference. The copies are not
@@ -322,7 +334,14 @@ def test_fsdp2_resume_restores_every_stateful_part(tiny_sd3_path, prompt_file, t
         optimizer="adamw", lr=1e-3, lr_decay=0.8, max_grad_norm=1.0, parts=True,
     )  # fmt: skip
     runs = {
-        "lora": dict(base, strategy="fsdp2", gardo=True, reference=dict(mode="refreshed", refresh_every=2)),
+        # The frozen base replicated, the adapter sharded as one unit: what "auto" gives a small LoRA
+        # run on GPUs (the blocks' sharding is the full fine-tune's, below).
+        "lora": dict(
+            base,
+            strategy=dict(frozen_weights="replicate"),
+            gardo=True,
+            reference=dict(mode="refreshed", refresh_every=2),
+        ),
         "full": dict(
             base,
             strategy=dict(save_distributed_checkpoint=False),
@@ -507,18 +526,50 @@ def test_cpu_offload_needs_gpus(tiny_sd3_path, prompt_file):
     assert module.policy.pipe is None
 
 
-def test_activation_checkpointing_needs_model_support():
-    class Plain(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
-
+def test_the_strategy_refuses_a_setting_it_does_not_own():
+    """Activation checkpointing has one flag, the performance settings' (any strategy honours it)."""
     with pytest.raises(
-        ValueError, match=r"activation_checkpointing=true: Plain has no gradient checkpointing"
+        SettingsError,
+        match=r"--trainer\.strategy\.activation_checkpointing is no longer a setting of the strategy: use "
+        r"--model\.init_args\.performance\.activation_checkpointing=true",
     ):
-        FSDP2Strategy(activation_checkpointing=True).shard(Plain())
+        FSDP2Strategy(activation_checkpointing=True)
+    with pytest.raises(
+        SettingsError, match=r"frozen_weights=replicate .*cpu_offload=true .*memory: choose one"
+    ):
+        FSDP2Strategy(frozen_weights="replicate", cpu_offload=True)
+    with pytest.raises(SettingsError, match=r"frozen_weights \('all'\) must be auto, shard or replicate"):
+        FSDP2Strategy(frozen_weights="all")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"Linear has no nn.ModuleList of blocks"):
         FSDP2Strategy().shard(nn.Linear(2, 2))
+
+
+def test_a_small_frozen_base_is_replicated_on_gpus_only(monkeypatch):
+    """``frozen_weights="auto"``: the frozen base of the trained networks stays whole on every rank when
+    it takes at most a quarter of a GPU's memory; on CPUs, with cpu_offload, or with nothing frozen (a
+    full fine-tune), the blocks are sharded."""
+    lora = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 2))  # 263 KB frozen, a small trained head
+    lora[0].requires_grad_(False)
+    full = nn.Linear(256, 256)
+
+    def strategy(device: str, memory: int = 0, **settings) -> FSDP2Strategy:
+        s = FSDP2Strategy(**settings)
+        s.parallel_devices = [torch.device(device)]
+        # The GPU's memory is the one number read from the hardware here.
+        monkeypatch.setattr(
+            torch.cuda, "get_device_properties", lambda _: SimpleNamespace(total_memory=memory)
+        )
+        return s
+
+    frozen = 256 * 257 * 4
+    assert strategy("cuda", 4 * frozen).replicates_frozen([lora])
+    assert not strategy("cuda", 4 * frozen - 1).replicates_frozen([lora])
+    assert not strategy("cuda", 4 * frozen, cpu_offload=True).replicates_frozen([lora])
+    assert not strategy("cpu").replicates_frozen([lora])
+    assert strategy("cpu", frozen_weights="replicate").replicates_frozen([lora])
+    assert not strategy("cuda", 10**12, frozen_weights="shard").replicates_frozen([lora])
+    assert not strategy("cuda", 10**12).replicates_frozen([full])
+    assert not strategy("cpu", frozen_weights="replicate").replicates_frozen([full])
 
 
 def test_transformer_blocks_of_every_family():

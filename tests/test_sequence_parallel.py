@@ -38,7 +38,7 @@ from test_ddp import assert_rewards_and_advantages_close
 from tolerances import EPS32, depth, network_atol, sum_rtol
 
 from lit_flowgrpo.data import PromptDataModule
-from lit_flowgrpo.distributed import DataParallel
+from lit_flowgrpo.distributed import DataParallel, ParallelLayout
 from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies import SD3Policy, WanPolicy
 from lit_flowgrpo.rollout import Sampler
@@ -57,14 +57,15 @@ def tiny_wan(tmp_path_factory: pytest.TempPathFactory) -> str:
 # -- the data-parallel view and the checks (one process) ---------------------------------------------
 
 
+def _held(rank: int, world: int = 4, sp: int = 2) -> SimpleNamespace:
+    """A stand-in strategy holding the layout of a (world / sp, sp) grid (no mesh: one process)."""
+    return SimpleNamespace(parallel_layout=ParallelLayout(rank=rank, world=world, sequence_parallel=sp))
+
+
 def test_ranks_of_a_sequence_parallel_group_are_one_data_parallel_peer(prompt_file):
     def view(rank: int) -> DataParallel:
-        trainer = SimpleNamespace(
-            global_rank=rank,
-            world_size=4,
-            strategy=None,
-            lightning_module=SimpleNamespace(sequence_parallel=2),
-        )
+        # The view comes from the layout the strategy holds; the LightningModule is not asked.
+        trainer = SimpleNamespace(global_rank=rank, world_size=4, strategy=_held(rank))
         return DataParallel.of(trainer)
 
     assert [(view(r).rank, view(r).size) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
@@ -73,12 +74,7 @@ def test_ranks_of_a_sequence_parallel_group_are_one_data_parallel_peer(prompt_fi
     batches = []
     for rank in range(4):
         dm = PromptDataModule(train=prompt_file, prompts_per_step=2, group_size=4, seed=5)
-        dm.trainer = SimpleNamespace(
-            global_rank=rank,
-            world_size=4,
-            strategy=None,
-            lightning_module=SimpleNamespace(sequence_parallel=2),
-        )
+        dm.trainer = SimpleNamespace(global_rank=rank, world_size=4, strategy=_held(rank))
         batch = next(iter(dm.train_dataloader()))
         batches.append((batch.prompts, batch.sample_ids.tolist(), batch.seeds.tolist()))
     assert batches[0] == batches[1] and batches[2] == batches[3]
@@ -114,7 +110,7 @@ def test_bad_settings_are_refused_before_any_weight_is_read(tiny_wan, tiny_sd3_p
 
 def test_a_network_without_a_context_parallel_plan_is_refused():
     with pytest.raises(ValueError, match="has no context-parallel plan"):
-        attach_sequence_parallel(torch.nn.Linear(2, 2), 2, torch.device("cpu"))
+        attach_sequence_parallel(torch.nn.Linear(2, 2), None, torch.device("cpu"))
 
 
 # -- whole runs against one process (several processes, gloo) ---------------------------------------
@@ -221,7 +217,12 @@ def test_two_ranks_splitting_each_sample_equal_one_process(tiny_wan, prompt_file
     config = dict(pipeline=tiny_wan, prompts=prompt_file, sp=2)
     procs = [
         torchrun(dict(config, strategy="ddp"), tmp_path, "ddp_sp2", 2),
-        torchrun(dict(config, strategy=dict(activation_checkpointing=True)), tmp_path, "fsdp2_sp2", 2),
+        torchrun(
+            dict(config, strategy={}, performance=dict(activation_checkpointing=True)),
+            tmp_path,
+            "fsdp2_sp2",
+            2,
+        ),
     ]
     sp_worker.run(dict(config, sp=1, out=str(tmp_path / "single")))
     for proc in procs:
