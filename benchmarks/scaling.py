@@ -49,9 +49,18 @@ from profiling import UPDATE_RANGE, ProfileSteps  # benchmarks/ siblings: the sc
 from throughput import TINY, BenchWanPolicy, tiny_spec
 from torch import Tensor, nn
 
-from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
+from lit_flowgrpo import (
+    FlowGRPO,
+    FlowGRPOModule,
+    KLSettings,
+    LoraSettings,
+    PromptDataModule,
+    ReferenceSettings,
+    Sampler,
+    UpdateSettings,
+    WeightsSettings,
+)
 from lit_flowgrpo.callbacks import RLThroughputMonitor
-from lit_flowgrpo.lora import LORA_WEIGHTS_FILE, ReferenceSettings
 from lit_flowgrpo.objective import DiffusionNFT, GRPOGuard
 from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies.base import Embeds
@@ -60,6 +69,7 @@ from lit_flowgrpo.policies.qwenimage import QwenImagePolicy
 from lit_flowgrpo.policies.sd3 import SD3Policy
 from lit_flowgrpo.strategies import FSDP2Strategy, end_distributed_process
 from lit_flowgrpo.tiny.specs import SPECS
+from lit_flowgrpo.weights import LORA_WEIGHTS_FILE
 
 # The public configs (transformer, VAE, scheduler, conditioning shapes) live once, in lit_flowgrpo.tiny.specs
 # (SPECS): stabilityai/stable-diffusion-3.5-medium, black-forest-labs/FLUX.1-dev (11.9B), Qwen/Qwen-Image
@@ -394,9 +404,9 @@ def run(args: argparse.Namespace) -> None:
     cfg_free = args.no_cfg or objective_name == "diffusion_nft"
     guidance = 1.0 if cfg_free else recipe.get("guidance", DEFAULT_GUIDANCE[family])
     objective = {
-        "grpo_guard": lambda: GRPOGuard(clip_range=2e-6, kl_coef=kl_coef),
-        "diffusion_nft": lambda: DiffusionNFT(kl_coef=kl_coef),
-        "flow_grpo": lambda: FlowGRPO(clip_range=1e-4, kl_coef=kl_coef),
+        "grpo_guard": lambda: GRPOGuard(clip_range=2e-6),
+        "diffusion_nft": lambda: DiffusionNFT(),
+        "flow_grpo": lambda: FlowGRPO(clip_range=1e-4),
     }[objective_name]()
     resolution = args.resolution or spec["resolution"]
     module = Recorder(
@@ -421,9 +431,12 @@ def run(args: argparse.Namespace) -> None:
             micro_batch_size=args.micro_batch, optimizer_steps_per_rollout=1, train_cfg=guidance > 1
         ),
         # the family's default target modules (Qwen-Image: the recipe's 12 projections)
-        lora=LoraSettings(rank=recipe.get("lora_rank", 32), alpha=recipe.get("lora_alpha", 64))
-        if lora
-        else None,
+        weights=WeightsSettings(
+            lora=LoraSettings(rank=recipe.get("lora_rank", 32), alpha=recipe.get("lora_alpha", 64))
+            if lora
+            else None,
+            master_dtype=args.master_dtype if not lora else "float32",
+        ),
         performance=PerformanceSettings(
             attention_backend=args.attention_backend,
             # under fsdp2 the strategy's flag (the same lever) turns it on
@@ -432,9 +445,9 @@ def run(args: argparse.Namespace) -> None:
             compile_backend=args.compile_backend,
             sequence_parallel=args.sequence_parallel,
         ),
-        reference_copy=reference_copy,
-        reference=ReferenceSettings(offload=args.offload_reference),
-        master_dtype=args.master_dtype if not lora else "float32",
+        kl=KLSettings(
+            coef=kl_coef, reference=ReferenceSettings(copy=reference_copy, offload=args.offload_reference)
+        ),
         # Large enough that two updates show in bf16 weights and in the next rollout's rewards.
         optimizer=functools.partial(torch.optim.AdamW, lr=3e-4 if lora else 1e-4, weight_decay=1e-4),
     )
@@ -529,8 +542,8 @@ def run(args: argparse.Namespace) -> None:
         compile_blocks=args.compile_blocks,
         compile_backend=args.compile_backend if args.compile_blocks else None,
         attention_backend=args.attention_backend,
-        skipped_optimizer_steps=module._counters["skipped_optimizer_steps"],
-        nonfinite_losses=module._counters["nonfinite_losses"],
+        skipped_optimizer_steps=module.counters.values["skipped_optimizer_steps"],
+        nonfinite_losses=module.counters.values["nonfinite_losses"],
         step_seconds=clock.seconds,
         profiled_steps=profiler.steps if profiler else [],
         profile_dir=str(Path(args.profile).resolve()) if args.profile else None,

@@ -59,8 +59,8 @@ PLANS: dict[str, dict[str, tuple[str, list[str]]]] = {
         "flow_dppo_lr3e-5": ("configs/quickstart_dppo.yaml", [LR + "3e-5"]),
         "nft_lr5e-6": ("configs/quickstart_nft.yaml", [LR + "5e-6"]),
         "nft_lr3e-5": ("configs/quickstart_nft.yaml", [LR + "3e-5"]),
-        "nft_tf0.3": ("configs/quickstart_nft.yaml", [NFT + "timestep_fraction=0.3"]),
-        "nft_lr3e-5_tf0.3": ("configs/quickstart_nft.yaml", [LR + "3e-5", NFT + "timestep_fraction=0.3"]),
+        "nft_tf0.3": ("configs/quickstart_nft.yaml", [NFT + "visit_fraction=0.3"]),
+        "nft_lr3e-5_tf0.3": ("configs/quickstart_nft.yaml", [LR + "3e-5", NFT + "visit_fraction=0.3"]),
         # DiffusionNFT's claim is a better CFG-free model: the held-out metric at guidance 1 (its base is lower)
         "nft_eval_cfg1": (
             "configs/quickstart_nft.yaml",
@@ -88,7 +88,7 @@ PLANS["levers2"] = {
     ),
     "flow_grpo_window2": ("configs/quickstart.yaml", [SAMPLER + "sde_window_size=2"]),
     "grpo_guard_noise1.0": ("configs/quickstart_guard.yaml", [SAMPLER + "noise_level=1.0"]),
-    "nft_lr5e-6_tf0.3": ("configs/quickstart_nft.yaml", [LR + "5e-6", NFT + "timestep_fraction=0.3"]),
+    "nft_lr5e-6_tf0.3": ("configs/quickstart_nft.yaml", [LR + "5e-6", NFT + "visit_fraction=0.3"]),
     "nft_lr1e-5": ("configs/quickstart_nft.yaml", [LR + "1e-5"]),
     "nft_lr5e-6_beta0.1": ("configs/quickstart_nft.yaml", [LR + "5e-6", NFT + "beta=0.1"]),
 }
@@ -113,21 +113,22 @@ PLANS["hacking"] = {
 # GARDO's controls (configs/hacking_gardo.yaml) beside Flow-GRPO with a plain KL to the initial model, and
 # Flow-GRPO with the KL only measured (its curve); a sweep of β first (one seed), then the chosen β on 3.
 OBJ = "--model.init_args.objective.init_args."
-MEASURE_KL = ["--model.init_args.diagnostics.reference_kl=true", "--model.init_args.reference_copy=true"]
-PLAIN_KL = ["--model.init_args.reference_copy=true"]
+KL_GROUP = "--model.init_args.kl."
+MEASURE_KL = [KL_GROUP + "measure=true", KL_GROUP + "reference.copy=true"]
+PLAIN_KL = [KL_GROUP + "reference.copy=true"]
 JUDGED = '--model.init_args.reward.init_args.weights={"shapes_color": 1.0, "shapes/partial": 0.0, "shapes/strict": 0.0}'
-GATE = '--model.init_args.advantage.kl_gate={"proxy": "shapes_color", "auxiliary": ["shapes/partial"]}'
+GATE = KL_GROUP + 'gate={"proxy": "shapes_color", "auxiliary": ["shapes/partial"]}'
 BONUS = '--model.init_args.advantage.diversity_bonus={"pool": 8, "distance": "cosine"}'
 PLANS["gardo_sweep"] = {
     "flow_grpo_proxy_klmeasured": ("configs/hacking_proxy.yaml", MEASURE_KL),
     **{
-        f"kl{b}_proxy": ("configs/hacking_proxy.yaml", [*PLAIN_KL, OBJ + f"kl_coef={b}"])
+        f"kl{b}_proxy": ("configs/hacking_proxy.yaml", [*PLAIN_KL, KL_GROUP + f"coef={b}"])
         for b in ("0.04", "0.4", "4", "40")
     },
-    **{f"gardo_b{b}": ("configs/hacking_gardo.yaml", [OBJ + f"kl_coef={b}"]) for b in ("0.4", "4", "40")},
+    **{f"gardo_b{b}": ("configs/hacking_gardo.yaml", [KL_GROUP + f"coef={b}"]) for b in ("0.4", "4", "40")},
     "gardo_b4_initial_ref": (
         "configs/hacking_proxy.yaml",
-        [*PLAIN_KL, OBJ + "kl_coef=4", JUDGED, GATE, BONUS],
+        [*PLAIN_KL, KL_GROUP + "coef=4", JUDGED, GATE, BONUS],
     ),
     "diversity_bonus_only": ("configs/hacking_proxy.yaml", [BONUS]),
 }
@@ -171,7 +172,7 @@ PLANS["video_sweep2"] = {
     "w_lr1e-4_all32": (_V, [LR + "1e-4", *_ALL32]),
     "w_lr3e-5_all32": (_V, [LR + "3e-5", *_ALL32]),
     "w_lr1e-4_all32_early": (_V, [LR + "1e-4", *_ALL32, *_EARLY]),
-    "w_lr1e-4_kl": (_V, [LR + "1e-4", OBJ + "kl_coef=0.04", "--model.init_args.reference_copy=true"]),
+    "w_lr1e-4_kl": (_V, [LR + "1e-4", KL_GROUP + "coef=0.04", KL_GROUP + "reference.copy=true"]),
     "w_lr2e-4_all32_early": (_V, [LR + "2e-4", *_ALL32, *_EARLY]),
     "w_lr1e-4_early_steps2": (
         _V,
@@ -261,7 +262,7 @@ PLANS["video_guidance"] = {
 PLANS["gardo"] = {
     label: PLANS["gardo_sweep"][label] for label in ("kl0.4_proxy", "gardo_b4", "gardo_b4_initial_ref")
 }
-PLANS["gardo"]["gardo_b1"] = ("configs/hacking_gardo.yaml", [OBJ + "kl_coef=1"])
+PLANS["gardo"]["gardo_b1"] = ("configs/hacking_gardo.yaml", [KL_GROUP + "coef=1"])
 #: validation and rollout keys besides the held-out one, kept per rollout when a run logs them
 EXTRA_KEYS = (
     "val-aux/shapes_color/mean@1",

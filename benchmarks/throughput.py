@@ -81,7 +81,16 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor, nn
 
-from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
+from lit_flowgrpo import (
+    FlowGRPO,
+    FlowGRPOModule,
+    KLSettings,
+    LoraSettings,
+    PromptDataModule,
+    Sampler,
+    UpdateSettings,
+    WeightsSettings,
+)
 from lit_flowgrpo.callbacks import RLThroughputMonitor, available_flops
 from lit_flowgrpo.objective import DiffusionNFT, FlowDPPO, Objective
 from lit_flowgrpo.performance import PerformanceSettings
@@ -646,12 +655,12 @@ class Variant:
     reward_overlap: bool = True  # score each rollout chunk beside the next one's sampling
 
 
-#: The full step's objective (``--objective``), each with its recipe's settings and no KL term: the
-#: comparison is of the update's own cost.
+#: The full step's objective (``--objective``), each with its recipe's settings; the step runs with no
+#: KL term (``kl.coef`` 0): the comparison is of the update's own cost.
 OBJECTIVES: dict[str, Callable[[], Objective]] = {
-    "flow_grpo": lambda: FlowGRPO(clip_range=1e-4, kl_coef=0.0),
-    "flow_dppo": lambda: FlowDPPO(kl_coef=0.0),
-    "diffusion_nft": lambda: DiffusionNFT(kl_coef=0.0),
+    "flow_grpo": lambda: FlowGRPO(clip_range=1e-4),
+    "flow_dppo": lambda: FlowDPPO(),
+    "diffusion_nft": lambda: DiffusionNFT(),
 }
 
 
@@ -909,7 +918,7 @@ def run_training(
             batch_size=variant.rollout_batch_size,
             **size,
         )
-        objective, train_cfg = FlowGRPO(clip_range=1e-5, kl_coef=0.0), False
+        objective, train_cfg = FlowGRPO(clip_range=1e-5), False
     else:
         # DiffusionNFT trains and samples CFG-free (its rollout runs the old policy at guidance 1);
         # the ratio objectives take CFG 4.5 in rollout and update, as flow_grpo's SD3 recipe.
@@ -939,7 +948,8 @@ def run_training(
             optimizer_steps_per_rollout=2,
             train_cfg=train_cfg,
         ),
-        lora=LoraSettings(rank=32, alpha=64),
+        weights=WeightsSettings(lora=LoraSettings(rank=32, alpha=64)),
+        kl=KLSettings(coef=0.0),  # no KL term (OBJECTIVES)
         performance=variant.performance,
         seed=0,
     )
@@ -1037,7 +1047,7 @@ def run_rollout(spec: dict[str, Any], variant: Variant, args: argparse.Namespace
         policy=policy,
         reward=brightness,
         sampler=Sampler(num_steps=args.num_steps, guidance_scale=guidance, **size),
-        lora=LoraSettings(),  # the family's default rank and targets
+        weights=WeightsSettings(lora=LoraSettings()),  # the family's default rank and targets
         performance=variant.performance,
     )
     module.configure_model()

@@ -19,7 +19,16 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
+from lit_flowgrpo import (
+    FlowGRPO,
+    FlowGRPOModule,
+    KLSettings,
+    LoraSettings,
+    PromptDataModule,
+    Sampler,
+    UpdateSettings,
+    WeightsSettings,
+)
 from lit_flowgrpo.callbacks import RLThroughputMonitor
 from lit_flowgrpo.policies import SD3Policy
 from lit_flowgrpo.tiny.sd3 import build_tiny_sd3
@@ -40,10 +49,11 @@ def main() -> None:
     model = FlowGRPOModule(
         policy=SD3Policy(pretrained, dtype="float32", max_sequence_length=32),
         reward=warm_colours,
-        objective=FlowGRPO(clip_range=1e-4, kl_coef=0.01),
+        objective=FlowGRPO(clip_range=1e-4),
+        kl=KLSettings(coef=0.01),
         sampler=Sampler(num_steps=4, eval_num_steps=4, height=32, width=32),
         update=UpdateSettings(micro_batch_size=4),
-        lora=LoraSettings(rank=4, alpha=8),
+        weights=WeightsSettings(lora=LoraSettings(rank=4, alpha=8)),
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-4),
     )
     data = PromptDataModule(

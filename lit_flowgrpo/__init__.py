@@ -22,13 +22,15 @@ _EXPORTS = {
     "GRPOGuard": "lit_flowgrpo.objective",
     "GRPOGuardRatioNorm": "lit_flowgrpo.objective",
     "GroupSampler": "lit_flowgrpo.data",
-    "KLGate": "lit_flowgrpo.advantages",
-    "LoraSettings": "lit_flowgrpo.lora",
+    "KLGate": "lit_flowgrpo.kl",
+    "KLSettings": "lit_flowgrpo.kl",
+    "LoraSettings": "lit_flowgrpo.weights",
+    "WeightsSettings": "lit_flowgrpo.weights",
     "Objective": "lit_flowgrpo.objective",
     "PerformanceSettings": "lit_flowgrpo.performance",
     "PromptBatch": "lit_flowgrpo.data",
     "PromptDataModule": "lit_flowgrpo.data",
-    "ReferenceSettings": "lit_flowgrpo.lora",
+    "ReferenceSettings": "lit_flowgrpo.kl",
     "Sampler": "lit_flowgrpo.rollout",
     "UpdateSettings": "lit_flowgrpo.update",
 }
@@ -45,6 +47,7 @@ __all__ = [
     "GRPOGuardRatioNorm",
     "GroupSampler",
     "KLGate",
+    "KLSettings",
     "LoraSettings",
     "Objective",
     "PerformanceSettings",
@@ -53,12 +56,13 @@ __all__ = [
     "ReferenceSettings",
     "Sampler",
     "UpdateSettings",
+    "WeightsSettings",
 ]
 
 if TYPE_CHECKING:
-    from lit_flowgrpo.advantages import AdvantageSettings, DiversityBonus, KLGate
+    from lit_flowgrpo.advantages import AdvantageSettings, DiversityBonus
     from lit_flowgrpo.data import GroupSampler, PromptBatch, PromptDataModule
-    from lit_flowgrpo.lora import LoraSettings, ReferenceSettings
+    from lit_flowgrpo.kl import KLGate, KLSettings, ReferenceSettings
     from lit_flowgrpo.metrics import DiagnosticsSettings
     from lit_flowgrpo.module import FlowGRPOModule
     from lit_flowgrpo.objective import FlowDPPO, FlowGRPO, GRPOGuard, GRPOGuardRatioNorm, Objective
@@ -66,6 +70,7 @@ if TYPE_CHECKING:
     from lit_flowgrpo.rollout import Sampler
     from lit_flowgrpo.strategies import FSDP2Strategy
     from lit_flowgrpo.update import UpdateSettings
+    from lit_flowgrpo.weights import LoraSettings, WeightsSettings
 
 
 def __getattr__(name: str) -> Any:

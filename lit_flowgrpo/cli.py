@@ -279,7 +279,9 @@ class FlowGRPOCLI(LightningCLI):
         if isinstance(args, (dict, Namespace)):
             self.config = parser.parse_object(args)
         else:
-            self.config = _parse_args(parser, _named_configs(sys.argv[1:] if args is None else args))
+            self.config = _parse_args(
+                parser, _nested_nulls(_named_configs(sys.argv[1:] if args is None else args))
+            )
         subcommand = self.config.get("subcommand")
         if subcommand:
             self._check_before_instantiation(subcommand, self.config[subcommand])
@@ -315,8 +317,7 @@ class FlowGRPOCLI(LightningCLI):
         if not subcommand or not self.config[subcommand].get("ckpt_path"):
             return
         given = self.config.clone()
-        super()._parse_ckpt_path()
-        self._parse_folder_hyperparameters(subcommand)
+        self._overlay_checkpoint_settings(subcommand)
         settings = setting_differences(given[subcommand].get("model"), self.config[subcommand].get("model"))
         shapes = shape_differences(given[subcommand].get("model"), self.config[subcommand].get("model"))
         self.config = given
@@ -356,24 +357,32 @@ class FlowGRPOCLI(LightningCLI):
             )
         rank_zero_warn(f"--{OVERRIDE_FLAG}: the command line's settings replace the checkpoint's:\n  {lines}")
 
-    def _parse_folder_hyperparameters(self, subcommand: str) -> None:
-        """Lightning's overlay of a checkpoint's hyper-parameters (``LightningCLI._parse_ckpt_path``) for
-        a sharded checkpoint folder, which Lightning reads only from a file: they are in its ``meta.pt``.
+    def _overlay_checkpoint_settings(self, subcommand: str) -> None:
+        """Lightning's overlay of a checkpoint's hyper-parameters (``LightningCLI._parse_ckpt_path``),
+        for a file and for a sharded checkpoint folder (whose are in its ``meta.pt``, which Lightning
+        does not read), with the settings that moved to another group since the checkpoint was written
+        moved first (:func:`~lit_flowgrpo.cli_diagnosis.move_old_settings`), so that it resumes.
 
-        Written out because Lightning's would load all of ``meta.pt`` (the EMA's tensors included); here
-        it is memory-mapped, so only the small hyper-parameters are read.
+        Written out because Lightning's reads folders not at all and files whole; here the file is
+        memory-mapped, so only the small hyper-parameters are read (not the EMA's tensors).
         """
         path = Path(str(self.config[subcommand].ckpt_path))
-        if not path.is_dir():
-            return
         import torch
         from lightning.fabric.utilities.load import _METADATA_FILENAME
 
-        meta = torch.load(path / _METADATA_FILENAME, map_location="cpu", mmap=True, weights_only=True)
+        from lit_flowgrpo.cli_diagnosis import move_old_settings
+
+        file = path / _METADATA_FILENAME if path.is_dir() else path
+        if not file.is_file():
+            return
+        meta = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
         hparams = dict(meta.get("hyper_parameters") or {})
         hparams.pop("_instantiator", None)
         if not hparams:
             return
+        moved = move_old_settings(hparams)
+        if moved:
+            rank_zero_info(f"{path} was written before settings moved: " + "; ".join(moved))
         if "_class_path" in hparams:  # the form LightningCLI saves, read back as Lightning does
             hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
         self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
@@ -467,6 +476,27 @@ def _named_configs(words: Sequence[str]) -> list[str]:
             out[i] = f"{flag}={_config_path(value)}"
         elif i + 1 < len(out):
             out[i + 1] = _config_path(out[i + 1])
+    return out
+
+
+def _nested_nulls(words: Sequence[str]) -> list[str]:
+    """``words`` with each ``--<class>.init_args.<group>.<field>=null`` (``--model.init_args.weights.lora=null``)
+    given as ``--<class>.init_args.<group>={<field>: null}``, which means the same: jsonargparse merges a
+    mapping into the group's other settings.
+
+    Written here because jsonargparse (4.53) refuses null for a field two levels inside a class given by
+    ``class_path`` ("Expected a <class 'NoneType'>, given NestedArg"), while it takes the mapping; one
+    level down (``--model.init_args.sampler=...``) and inside a ``--config`` file, null works already.
+    """
+    out = []
+    for word in words:
+        flag, eq, value = word.partition("=")
+        head, sep, rest = flag.partition(".init_args.")
+        group, dot, field = rest.rpartition(".")
+        # YAML's null only: "none" is a value of its own for some settings (diagnostics.clip_gate=none).
+        if eq and sep and dot and "." not in group and value.strip() in ("null", "Null", "NULL", "~"):
+            word = f"{head}{sep}{group}={{{field}: null}}"
+        out.append(word)
     return out
 
 

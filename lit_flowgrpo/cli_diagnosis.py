@@ -42,13 +42,54 @@ REMOVED_FLAGS = {
     "(e.g. --model.init_args.objective=lit_flowgrpo.objective.GRPOGuard)",
 }
 
-#: Settings that were renamed, by (class path, old name): the new name and what sets it apart.
+#: Settings that were renamed or moved, by (class path, old name), a class's subclasses included: the
+#: new name (a flag, ``--...``, where the setting moved to another group) and what sets it apart.
 RENAMED_SETTINGS = {
     ("lit_flowgrpo.objective.DiffusionNFT", "timestep_fraction"): (
         "visit_fraction",
         "the share of the T rollout sigmas each sample visits; --model.init_args.sampler.timestep_fraction, "
         "the trained steps of the ratio objectives, is another setting",
     ),
+    **{
+        (owner, old): (new, why)
+        for why, moves in {
+            "what is trained is one group, --model.init_args.weights": {
+                ("lit_flowgrpo.module.FlowGRPOModule", "lora"): "--model.init_args.weights.lora",
+                (
+                    "lit_flowgrpo.module.FlowGRPOModule",
+                    "master_dtype",
+                ): "--model.init_args.weights.master_dtype",
+            },
+            "the KL regulariser (β, its form, the reference, the gate) is one group, --model.init_args.kl": {
+                ("lit_flowgrpo.module.FlowGRPOModule", "reference"): "--model.init_args.kl.reference",
+                (
+                    "lit_flowgrpo.module.FlowGRPOModule",
+                    "reference_copy",
+                ): "--model.init_args.kl.reference.copy",
+                ("lit_flowgrpo.objective.Objective", "kl_coef"): "--model.init_args.kl.coef",
+                ("lit_flowgrpo.objective.Objective", "kl_with_dt"): "--model.init_args.kl.with_dt",
+                ("lit_flowgrpo.advantages.stage.AdvantageSettings", "kl_gate"): "--model.init_args.kl.gate",
+                (
+                    "lit_flowgrpo.metrics.policy.DiagnosticsSettings",
+                    "reference_kl",
+                ): "--model.init_args.kl.measure",
+            },
+        }.items()
+        for (owner, old), new in moves.items()
+    },
+}
+
+#: The same moves in the hyper-parameters a checkpoint saved (FlowGRPOModule's arguments, as paths),
+#: so that a checkpoint written before them resumes with the values it was trained with.
+MOVED_IN_CHECKPOINTS = {
+    ("reference",): ("kl", "reference"),  # before reference_copy, which lands inside it
+    ("reference_copy",): ("kl", "reference", "copy"),
+    ("lora",): ("weights", "lora"),
+    ("master_dtype",): ("weights", "master_dtype"),
+    ("objective", "init_args", "kl_coef"): ("kl", "coef"),
+    ("objective", "init_args", "kl_with_dt"): ("kl", "with_dt"),
+    ("advantage", "kl_gate"): ("kl", "gate"),
+    ("diagnostics", "reference_kl"): ("kl", "measure"),
 }
 
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
@@ -80,6 +121,33 @@ def diagnose(words: Sequence[str]) -> list[str]:
             if found:
                 problems.append(found)
     return list(dict.fromkeys(problems))
+
+
+def move_old_settings(hparams: dict[str, Any]) -> list[str]:
+    """Move, in place, the settings of a checkpoint's saved module arguments ``hparams`` that now live in
+    another group (:data:`MOVED_IN_CHECKPOINTS`), and rename the renamed ones
+    (:func:`rename_old_settings`). Returns one line per change (empty: nothing was old). A setting
+    present under both its old and its new path is left alone, for the parser to refuse."""
+    done = rename_old_settings(hparams)
+    for old, new in MOVED_IN_CHECKPOINTS.items():
+        parent = hparams
+        for part in old[:-1]:
+            parent = parent.get(part) if isinstance(parent, dict) else None
+        if not isinstance(parent, dict) or old[-1] not in parent:
+            continue
+        value = parent.pop(old[-1])
+        target = hparams
+        for part in new[:-1]:
+            target = target.setdefault(part, {})
+        if isinstance(target.get(new[-1]), dict) and isinstance(value, dict):
+            target[new[-1]] = {**value, **target[new[-1]]}
+        elif new[-1] in target:
+            parent[old[-1]] = value  # given twice: leave it for the parser to name
+            continue
+        else:
+            target[new[-1]] = value
+        done.append(f"{'.'.join(p for p in old if p != 'init_args')} is now {'.'.join(new)}")
+    return done
 
 
 def rename_old_settings(tree: Any) -> list[str]:
@@ -141,7 +209,9 @@ def _load_yaml(path: str) -> Any:
 
 def _leaves(prefix: str, tree: Any) -> Iterator[tuple[str, Any]]:
     if isinstance(tree, dict):
-        if prefix.endswith("weights.") and all(not isinstance(v, (dict, list)) for v in tree.values()):
+        if prefix.endswith(("reward.weights.", "reward.init_args.weights.")) and all(
+            not isinstance(v, (dict, list)) for v in tree.values()
+        ):
             yield prefix[:-1], tree  # a {name: weight} mapping is one value
             return
         for key, value in tree.items():
@@ -288,7 +358,10 @@ def _unknown_setting(key: str, class_paths: dict[str, str], value: Any = None) -
             return None
         if name not in names:
             owner = _spelled([*parts[:depth], "_"], class_paths)[:-2]  # the owner's own settings' prefix
-            renamed = RENAMED_SETTINGS.get((f"{cls.__module__}.{cls.__qualname__}", name))
+            renamed = _renamed(cls, name)
+            if renamed and renamed[0].startswith("--"):
+                new, meaning = renamed
+                return f"{_spelled(parts[: depth + 1], class_paths)} moved: it is now {new} ({meaning})"
             if renamed:
                 new, meaning = renamed
                 return (
@@ -313,6 +386,15 @@ def _unknown_setting(key: str, class_paths: dict[str, str], value: Any = None) -
         if not (inspect.isclass(nxt) and dataclasses.is_dataclass(nxt)) and not nested:
             return None
         cls = nxt
+    return None
+
+
+def _renamed(cls: Any, name: str) -> tuple[str, str] | None:
+    """The :data:`RENAMED_SETTINGS` entry of ``cls``'s setting ``name``, or of a class it derives from."""
+    for klass in getattr(cls, "__mro__", (cls,)):
+        found = RENAMED_SETTINGS.get((f"{klass.__module__}.{klass.__qualname__}", name))
+        if found:
+            return found
     return None
 
 

@@ -264,17 +264,17 @@ def shape_differences(given: Any, saved: Any) -> list[str]:
     differs from the checkpoint, each said as ``flag (command line X, checkpoint Y)``."""
     if not isinstance(given, Namespace) or not isinstance(saved, Namespace):
         return []
-    new, old = given.get("init_args.lora"), saved.get("init_args.lora")
+    new, old = given.get("init_args.weights.lora"), saved.get("init_args.weights.lora")
     if (new is None) != (old is None):
 
         def kind(lora: Any) -> str:
             return "null, a full fine-tune" if lora is None else "a LoRA adapter"
 
-        return [f"--model.init_args.lora (command line {kind(new)}, checkpoint {kind(old)})"]
+        return [f"--model.init_args.weights.lora (command line {kind(new)}, checkpoint {kind(old)})"]
     if new is None:
         return []
     return [
-        f"--model.init_args.lora.{key} (command line {new.get(key)!r}, checkpoint {old.get(key)!r}): {what}"
+        f"--model.init_args.weights.lora.{key} (command line {new.get(key)!r}, checkpoint {old.get(key)!r}): {what}"
         for key, what in _SHAPE_SETTINGS.items()
         if new.get(key) != old.get(key)
     ]

@@ -53,8 +53,8 @@ def fp8_problems(
     p = []
     if full_fine_tune:
         p.append(
-            f"{flag}.fp8_base_matmuls with a full fine-tune (--model.init_args.lora=null): it converts the "
-            "frozen linear layers, and a full fine-tune trains them all; set --model.init_args.lora, or drop "
+            f"{flag}.fp8_base_matmuls with a full fine-tune (--model.init_args.weights.lora=null): it converts the "
+            "frozen linear layers, and a full fine-tune trains them all; set --model.init_args.weights.lora, or drop "
             "the setting"
         )
     if rollout_merged_lora:

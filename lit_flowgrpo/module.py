@@ -1,16 +1,13 @@
 """`FlowGRPOModule`: sample → score → advantages → update → log, one rollout batch per training step.
 
-Each stage has one owner that validates its settings once (DESIGN.md, "One training step"):
-
-- :class:`~lit_flowgrpo.rollout.Sampler` draws the rollout and the validation samples;
-- the reward (:mod:`lit_flowgrpo.rewards`) scores the images;
-- :class:`AdvantageSettings` turn every rank's rewards into group advantages;
-- :class:`~lit_flowgrpo.objective.Objective` declares what the rollout records, which visits the
-  update makes and what one visit costs;
-- :func:`~lit_flowgrpo.update.run_update` walks the batch as :class:`UpdateSettings` say (inner
-  epochs, micro-batches, optimizer steps, clipping);
-- :class:`~lit_flowgrpo.distributed.DataParallel` is the view of the data-parallel peers;
-- :class:`~lit_flowgrpo.lora.TrainableWeights` decides what is trained, the KL reference and export.
+Each stage has one owner that validates its settings once (DESIGN.md, "One training step"): the
+:class:`~lit_flowgrpo.rollout.Sampler` draws, the reward (:mod:`lit_flowgrpo.rewards`) scores,
+:class:`AdvantageSettings` turn every rank's rewards into advantages, the
+:class:`~lit_flowgrpo.objective.Objective` says what a visit of the update costs and
+:func:`~lit_flowgrpo.update.run_update` walks the batch (:class:`UpdateSettings`). What is trained and
+its copies are :class:`~lit_flowgrpo.weights.TrainableWeights` and :mod:`lit_flowgrpo.copies`; the KL
+regulariser is :class:`~lit_flowgrpo.kl.KLSettings`; every part with state sits in one
+:class:`~lit_flowgrpo.parts.Parts` list, checkpointed, restored and moved after each update in one loop.
 
 Optimization is manual: one batch feeds several optimizer steps.
 """
@@ -19,42 +16,44 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 import warnings
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch import Tensor, nn
+from torch import Tensor
 from torchmetrics import Metric
-from torchmetrics.aggregation import MeanMetric, SumMetric
 
-from lit_flowgrpo.advantages import AdvantageSettings
+from lit_flowgrpo.advantages import AdvantageSettings, KLGateController
 from lit_flowgrpo.data import PromptBatch
 from lit_flowgrpo.distributed import DataParallel
 from lit_flowgrpo.errors import SettingsError, flag
-from lit_flowgrpo.lora import LoraSettings, ReferenceSettings, TrainableWeights
+from lit_flowgrpo.kl import KLSettings
 from lit_flowgrpo.metrics import DiagnosticsSettings, RewardGroupStats
+from lit_flowgrpo.metrics.validation import ValidationMeans
 from lit_flowgrpo.objective import FlowGRPO, Objective, VisitContext
+from lit_flowgrpo.parts import AfterUpdate, Counters, Parts
 from lit_flowgrpo.performance import PerformanceSettings
+from lit_flowgrpo.placement import build_layout, place
 from lit_flowgrpo.policies.base import FlowPolicy, reward_modality_problems
 from lit_flowgrpo.rewards.base import MultiReward, RewardOutput, as_reward
 from lit_flowgrpo.rewards.overlap import RewardQueue
 from lit_flowgrpo.rollout import RolloutBatch, Sampler, cfg_forwards
-from lit_flowgrpo.sequence_parallel import attach_sequence_parallel, sequence_parallel_problems, size_problems
-from lit_flowgrpo.step_output import STAGES, StepOutput, ValidationOutput
-from lit_flowgrpo.strategies import shard_networks, sharding, strategy_problems
+from lit_flowgrpo.step_output import StageClock, StepOutput, ValidationOutput
+from lit_flowgrpo.strategies import sharding, strategy_problems
 from lit_flowgrpo.update import (
     IdleRollouts,
     UpdateHooks,
     UpdateResult,
     UpdateSettings,
     clip_and_step,
+    optimizers_for,
     run_update,
 )
+from lit_flowgrpo.weights import LoraSettings, TrainableWeights, WeightsSettings
 
 _EVAL_MODE_NOTICE = r"Found \d+ module\(s\) in eval mode at the start of training"
 __all__ = ["AdvantageSettings", "DiagnosticsSettings", "FlowGRPOModule", "LoraSettings", "UpdateSettings"]
@@ -73,16 +72,10 @@ class FlowGRPOModule(L.LightningModule):
         sampler: how rollouts and validation samples are drawn.
         advantage: from rewards to advantages.
         update: how the update walks each rollout batch.
-        lora: LoRA settings; ``None`` is a full fine-tune of the transformer.
-        reference_copy: full fine-tune only: keep a frozen copy of the initial transformer as the
-            KL reference (with LoRA the reference is the same network with the adapter disabled).
-        reference: where the KL reference sits: the initial model, or one refreshed or averaged
-            along the run (GARDO's adaptive reference; :class:`~lit_flowgrpo.lora.ReferenceSettings`),
-            and whether a full fine-tune's frozen copy is kept in host memory (``offload``, fsdp2).
-        master_dtype: the dtype the trained weights are kept in: ``float32`` (the default: master
-            weights, computing in the compute dtype under autocast) or ``model`` (a full fine-tune
-            trains the policy's dtype, bf16, in place, and loses updates smaller than its rounding;
-            saves 2 bytes per parameter and 4 of AdamW's). A LoRA adapter is always float32.
+        weights: what is trained (a LoRA adapter, or the whole transformer with ``lora: null``) and the
+            dtype it is kept in (:class:`~lit_flowgrpo.weights.WeightsSettings`).
+        kl: the KL regulariser: β, its form, the reference (initial, refreshed or averaged; a full
+            fine-tune's frozen copy) and GARDO's gate (:class:`~lit_flowgrpo.kl.KLSettings`).
         diagnostics: options of the logged ratio/clip/KL statistics.
         performance: how the transformer computes (dtype, compiled blocks, attention kernel), the
             same in rollout and update.
@@ -100,10 +93,8 @@ class FlowGRPOModule(L.LightningModule):
         sampler: Sampler = Sampler(),
         advantage: AdvantageSettings = AdvantageSettings(),
         update: UpdateSettings = UpdateSettings(),
-        lora: LoraSettings | None = LoraSettings(),
-        reference_copy: bool = False,
-        reference: ReferenceSettings = ReferenceSettings(),
-        master_dtype: Literal["float32", "model"] = "float32",
+        weights: WeightsSettings = WeightsSettings(),
+        kl: KLSettings = KLSettings(),
         diagnostics: DiagnosticsSettings = DiagnosticsSettings(),
         performance: PerformanceSettings = PerformanceSettings(),
         optimizer: OptimizerCallable | None = None,
@@ -119,13 +110,12 @@ class FlowGRPOModule(L.LightningModule):
         self.diagnostics = dataclasses.replace(diagnostics)
         self.performance = dataclasses.replace(performance)
         self.objective = FlowGRPO() if objective is None else objective
+        self.kl = kl.resolved(self.objective.default_kl_coef)  # β: null takes the objective's published one
         self.weights = TrainableWeights(
-            lora,
-            reference_copy=reference_copy,
+            dataclasses.replace(weights),
             seed=seed,
-            old_policy=self.objective.old_policy,
-            reference_settings=dataclasses.replace(reference),
-            master_dtype=master_dtype,
+            old_policy=self.objective.old_policy_decay if self.objective.old_policy else None,
+            reference=self.kl.reference,
         )
         self.policy = policy
         self.reward = as_reward(reward)
@@ -138,50 +128,43 @@ class FlowGRPOModule(L.LightningModule):
         self.save_hyperparameters(ignore=["policy", "reward", "objective", "optimizer", "lr_scheduler"])
         # Plain types only in checkpoints (they load with torch.load(weights_only=True)), in the form
         # the CLI parses back.
-        for name in ("sampler", "advantage", "update", "diagnostics", "performance"):
+        for name in ("sampler", "advantage", "update", "diagnostics", "performance", "kl"):
             self.hparams[name] = dataclasses.asdict(getattr(self, name))
-        self.hparams["lora"] = None if lora is None else dataclasses.asdict(lora)
-        self.hparams["reference"] = dataclasses.asdict(reference)
+        self.hparams["weights"] = dataclasses.asdict(self.weights.settings)
         self.hparams["objective"] = self.objective.hparams()
 
         self.reward_stats = RewardGroupStats()
         self.objective_stats = self.objective.diagnostics(self.sampler.num_steps, self.diagnostics)
-        self.val_means = nn.ModuleDict()  # val-{core,aux}/<component>/mean@1, created on first use
-        self.val_unscored = nn.ModuleDict()  # val-aux/<component>/unscored_count
-        self._counters = {"skipped_optimizer_steps": 0, "nonfinite_losses": 0, "dropped_samples": 0}
-        self._idle = IdleRollouts(self.advantage.max_idle_rollouts)
+        self.validation = ValidationMeans()  # val-{core,aux}/<component>/mean@1, unscored counts
+        self.copies = self.weights.copies
+        self.counters = Counters(("skipped_optimizer_steps", "nonfinite_losses", "dropped_samples"))
+        self.kl_gate = None if self.kl.gate is None else KLGateController(self.kl.gate)
+        # Every part with state: each saves and restores itself and moves after each update, in this
+        # order (the idle guard first: a run that made no progress stops before anything moves).
+        self.parts = Parts([IdleRollouts(self.advantage.max_idle_rollouts), *self.copies.parts])
+        for part in (self.kl_gate, self.counters):
+            if part is not None:
+                self.parts.add(part)
         self._configured = False
 
     @property
     def lora(self) -> LoraSettings | None:
         return self.weights.lora
 
-    @property
-    def sequence_parallel(self) -> int:
-        """Ranks that share each sample's tokens (``performance.sequence_parallel``); what
-        :class:`~lit_flowgrpo.distributed.DataParallel` asks to tell data-parallel peers apart."""
-        return self.performance.sequence_parallel
-
     def _problems(self) -> list[str]:
         """Every settings problem, each naming its flag, found before any weight is read."""
         p = self.sampler.problems() + self.advantage.problems(reward=self.reward) + self.update.problems()
         p += self.performance.problems(
             full_fine_tune=self.weights.lora is None,
-            masked_prompts=getattr(self.policy, "masked_prompts", False),
+            masked_prompts=self.policy.masked_prompts,
         )
         p += self.objective.problems(self.sampler.sde_type)
-        p += self.objective.sampler_problems(self.sampler, measure_reference=self.diagnostics.reference_kl)
-        p += self.weights.problems(
-            self.objective.uses_reference or self.diagnostics.reference_kl,
-            getattr(self.policy, "declared_networks", 1),
-        )
+        p += self.objective.sampler_problems(self.sampler, self.kl)
+        p += self.weights.settings.problems(self.policy.declared_networks)
+        weights = dict(self.reward.weights) if isinstance(self.reward, MultiReward) else None
+        p += self.kl.problems(full_fine_tune=self.weights.lora is None, reward_weights=weights)
         p += self.policy.problems() + self.sampler.image_size_problems(self.policy)
         p += self.reward.settings_problems() + reward_modality_problems(self.policy, self.reward)
-        if self.advantage.kl_gate is not None and not self.objective.uses_reference:
-            p.append(
-                f"{flag('advantage')}.kl_gate gates the KL penalty, but there is none: set "
-                f"{flag('objective')}.kl_coef > 0 (GARDO's OCR recipe: 0.04), or drop the gate"
-            )
         if self.sampler.guidance_scale > 1 and not self.update.train_cfg:
             rank_zero_warn(
                 f"{flag('update')}.train_cfg=false with guidance_scale={self.sampler.guidance_scale}: the update "
@@ -192,20 +175,25 @@ class FlowGRPOModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         # Cross-checks against the data and the world size, still before configure_model loads weights.
         dm = getattr(self.trainer, "datamodule", None)
-        problems = sequence_parallel_problems(
-            self.sequence_parallel, self.trainer.world_size, self.trainer.strategy, self.policy, self.sampler
-        )
-        if problems:  # before anything asks for the data-parallel view, which needs sp to divide the world
-            raise SettingsError("invalid settings:\n  " + "\n  ".join(problems))
+        # The (dp, sp) layout first, checked and built once, held by the strategy: every gather of the
+        # run (this module's, the data module's, the callbacks') takes its data-parallel view from it.
+        layout = build_layout(self.trainer, self.performance.sequence_parallel, self.policy, self.sampler)
+        dp = layout.data_parallel
+        # The metrics reduce over data-parallel peers only: the ranks of a sequence-parallel group hold
+        # the same samples and would count them sp times.
+        for metric in self.modules():
+            if isinstance(metric, (Metric, ValidationMeans)):  # ValidationMeans: for the ones it makes later
+                metric.process_group = dp.group
+        problems: list[str] = []
         if dm is not None and stage == "fit" and hasattr(dm, "samples_per_step"):
-            problems += self.update.batch_problems(dm.samples_per_step, self.data_parallel.size)
+            problems += self.update.batch_problems(dm.samples_per_step, dp.size)
         if dm is not None and isinstance(self.reward, MultiReward):
             parts = {"--data.init_args.train": "train_records", "--data.init_args.val": "val_records"}
             problems += self.reward.prompt_problems(
                 {f: list(getattr(dm, a, None) or []) for f, a in parts.items()}
             )
         problems += strategy_problems(
-            self.trainer, dm, self.performance, offload_reference=self.weights.reference_settings.offload
+            self.trainer, dm, self.performance, offload_reference=self.kl.reference.offload
         )
         if problems:
             raise SettingsError("invalid settings:\n  " + "\n  ".join(problems))
@@ -221,53 +209,23 @@ class FlowGRPOModule(L.LightningModule):
         sharded = sharding(self._trainer) is not None
         weights = self.weights
         weights.attach(self.policy, cast=not sharded)
-        self._split_sequences()
-        shape = self.policy.attention_shape(self.sampler.height, self.sampler.width)
-        device = self._trainer.strategy.root_device if self._trainer is not None else self.device
-        dtypes = dict(model_dtype=weights.model_dtype, master_dtype=weights.master_dtype)
-        # The inputs in the compute dtype: the masters and their copies see the same tensors.
-        self.policy.compute_dtype = self.performance.resolved_dtype(
-            self.policy.transformer, weights.model_dtype
-        )
-        for network in self.policy.trainable_networks:
-            self.performance.apply(network, shape, device, **dtypes)
-        for network in weights.copies:
-            self.performance.apply_to_copy(network, shape, device, **dtypes)
-        self.performance.apply_to_decoder(getattr(self.policy, "vae", None))
         self._configured = True
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.parameters())
         rank_zero_info(f"trainable parameters: {trainable:,} of {total:,}")
-        # After the adapter is attached, so that its weights shard with their blocks.
-        reference = weights.reference_network
-        shard_networks(
+        # Every network in one call: sequence split, compute dtype, compiled blocks, the copies, the
+        # decoder, FSDP2 sharding (lit_flowgrpo.placement).
+        place(
+            self.policy,
+            self.copies.networks,
+            self.performance,
             self._trainer,
-            self.policy.trainable_networks,
-            weights.copies,
+            self.sampler,
+            offloaded=self.copies.offloaded,
+            model_dtype=weights.model_dtype,
             master_dtype=weights.master_dtype,
-            compute_dtype=self.performance.resolved_dtype(self.policy.transformer, weights.model_dtype),
-            offloaded=[reference] if reference is not None and weights.reference_settings.offload else [],
+            device=self.device,
         )
-
-    def _split_sequences(self) -> None:
-        """``performance.sequence_parallel``: diffusers' context-parallel hooks on every transformer the
-        rollout, the update and the reference run (before compiling, so the compiled blocks see them),
-        and the metrics reduced over data-parallel peers only, since the ranks of a group hold the same
-        samples and would count them sp times."""
-        sp = self.sequence_parallel
-        if sp == 1 or self._trainer is None:
-            return  # without a trainer (export, evaluation in Python) one process runs the whole sequence
-        # Again with the loaded configs: a hub id's first look, and the checkpoint's own numbers.
-        problems = size_problems(self.policy.sequence_parallel_problems, sp, self.sampler)
-        if problems:
-            raise SettingsError("invalid settings:\n  " + "\n  ".join(problems))
-        device = self._trainer.strategy.root_device
-        for network in (*self.policy.trainable_networks, *self.weights.copies):
-            attach_sequence_parallel(network, sp, device)
-        group = self.data_parallel.group
-        for metric in self.modules():
-            if isinstance(metric, Metric):
-                metric.process_group = group
 
     def on_fit_start(self) -> None:
         # Frozen networks stay in eval mode on purpose (none may drop out); Lightning reports that on
@@ -279,14 +237,14 @@ class FlowGRPOModule(L.LightningModule):
     # ----------------------------------------------------------------------------------------------
 
     def training_step(self, batch: PromptBatch, batch_idx: int) -> StepOutput:
-        timings = dict.fromkeys(STAGES, 0.0)
-        start = t = self._clock()
+        clock = StageClock(self.device)
+        clock.begin("gen")
         embeds = self.policy.encode_prompts(batch.prompts)
         # Each chunk is scored as it is decoded (the reward's `overlap`): "reward" is the wait after it.
         with RewardQueue(self.reward, batch.prompts, batch.metadata) as scores:
             # The objective's sampling policy (DiffusionNFT's old policy; else the trained weights).
             with (
-                self.weights.sampling(self.policy),
+                self.copies.sampling(),
                 self.performance.sampling_weights(*self.policy.trainable_networks),
             ):
                 traj, images = self.sampler.rollout(
@@ -299,16 +257,17 @@ class FlowGRPOModule(L.LightningModule):
                     record=self.objective.rollout_records(self.diagnostics),
                     on_chunk=scores.submit,
                 )
-            timings["gen"], t = self._clock() - t, self._clock()
+            clock.begin("reward")
             rewards = scores.result(images)
-        timings["reward"], t = self._clock() - t, self._clock()
+        clock.begin("adv")
         advantages, keep, kl_weights = self._advantages(rewards, batch, images)
         rollout = RolloutBatch(traj, embeds, advantages, batch.sample_ids.to(self.device), keep, kl_weights)
-        timings["adv"], t = self._clock() - t, self._clock()
-        done = self._update(rollout, batch.step)
+        clock.begin("update_actor")
+        done = self._update(rollout, batch.step, clock)
+        clock.end()
+        timings = clock.timings
         timings["ref"] = done.reference_s
-        timings["update_actor"] = self._clock() - t - timings["ref"]
-        timings["step"] = self._clock() - start
+        timings["update_actor"] -= done.reference_s
         self._log_step()
         return StepOutput(
             timings=timings,
@@ -335,19 +294,16 @@ class FlowGRPOModule(L.LightningModule):
         """This rank among its data-parallel peers."""
         return DataParallel.of(self._trainer)
 
-    def _clock(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
     def _advantages(
         self, rewards: RewardOutput, batch: PromptBatch, images: Tensor
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Group advantages from every rank's rewards; returns this rank's (advantages, keep mask, KL
         weights)."""
         group_ids = batch.group_ids.to(self.device)
-        adv = self.advantage.for_batch(rewards, group_ids, self.reward, self.data_parallel, images)
-        self._counters["dropped_samples"] += adv.dropped
+        adv = self.advantage.for_batch(
+            rewards, group_ids, self.reward, self.data_parallel, images, self.kl_gate
+        )
+        self.counters.add("dropped_samples", adv.dropped)
         keep = adv.scored if adv.keep is None else adv.keep  # scored, and non-zero under filter_zero
         # Every sample goes in, so the metric counts the unscored ones (critic/rewards/nonfinite_count);
         # it reduces groups exactly across ranks.
@@ -356,27 +312,24 @@ class FlowGRPOModule(L.LightningModule):
         # Per-reward failure rates and latencies of this rank; the advantage stage's over all ranks.
         values = {k: v for k, v in rewards.log_dict().items() if k.startswith("reward/")}
         self.log_dict({**values, **adv.log}, on_step=True, on_epoch=False)
-        return adv.values, keep, adv.kl_weights if self.advantage.kl_gate is not None else None
+        return adv.values, keep, adv.kl_weights if self.kl_gate is not None else None
 
-    def _update(self, rollout: RolloutBatch, step: int) -> UpdateResult:
+    def _update(self, rollout: RolloutBatch, step: int, clock: StageClock) -> UpdateResult:
         opt, sched = self.optimizers(), self.lr_schedulers()
         for network in self.policy.trainable_networks:
             network.train()
-        transformer = self.policy.transformer
-        fp32 = self.performance.computes_fp32(transformer, self.weights.model_dtype)
+        fp32 = self.performance.computes_fp32(self.policy.transformer, self.weights.model_dtype)
         guidance = self.sampler.guidance_scale if self.update.train_cfg else 1.0
         done = run_update(
             self.update,
             self.objective,
-            VisitContext(
-                self.policy, self.weights, guidance, measure_reference=self.diagnostics.reference_kl
-            ),
+            VisitContext(self.policy, self.copies, guidance, kl=self.kl),
             rollout,
             UpdateHooks(
                 backward=self.manual_backward,
                 optimizer_step=lambda: self._optimizer_step(opt, sched),
                 log=lambda values: self.log_dict(values, on_step=True, on_epoch=False),
-                clock=self._clock,
+                clock=clock.now,
             ),
             self.objective_stats,
             dp=self.data_parallel,
@@ -384,33 +337,15 @@ class FlowGRPOModule(L.LightningModule):
             on_policy_tol=self.update.on_policy_tolerance(fp32),
             forwards_per_sample=cfg_forwards(self.policy, guidance),
         )
-        self._idle.observe(done.optimizer_steps)
-        # After the whole update (DiffusionNFT's old-policy refresh), given the optimizer steps so far.
-        self.objective.after_update(self.weights, self.policy, self.global_step)
-        # The moving reference (GARDO's refresh, or an EMA), from this update's mean KL over every rank.
-        self._losses = self._mean_losses(done)
-        kl = self._losses["actor/kl_loss"] if self._losses["count"] else float("nan")
-        self.weights.after_update(self.policy, self.global_step, kl)
-        return done
-
-    def _mean_losses(self, done: UpdateResult) -> dict[str, float]:
-        """The update's mean losses over every rank's micro-batches (``actor/loss``, ``pg_loss``,
-        ``kl_loss``) and their ``count``; counts the non-finite ones."""
-        assert done.loss_sums is not None
-        # Summed over the ranks (one gather, fp64; the step's one read of the loss sums), so every rank
-        # holds what one process would, and the moving reference decides on the same KL on every rank.
-        sums = torch.cat(
-            [done.loss_sums.double(), done.loss_sums.new_tensor([done.num_losses], dtype=torch.float64)]
+        self._losses, nonfinite = done.mean_losses(self.data_parallel)
+        self.counters.add("nonfinite_losses", nonfinite)
+        # Every part moves once, from what every rank saw: the idle guard, DiffusionNFT's old policy,
+        # a moving KL reference (from this update's mean KL over every rank), and whatever else is
+        # registered. The optimizer steps so far include this update's.
+        self.parts.after_update(
+            AfterUpdate(self.policy, self.global_step, done.optimizer_steps, self._losses)
         )
-        loss, pg_loss, kl_loss, nonfinite, count = self.data_parallel.stack(sums).sum(0).tolist()
-        self._counters["nonfinite_losses"] += int(nonfinite)
-        n = max(count, 1)
-        return {
-            "actor/loss": loss / n,
-            "actor/pg_loss": pg_loss / n,
-            "actor/kl_loss": kl_loss / n,
-            "count": count,
-        }
+        return done
 
     def _optimizer_step(self, opt: Any, sched: Any) -> bool:
         """Clip and step; ``False`` if a non-finite gradient skipped the step."""
@@ -418,7 +353,7 @@ class FlowGRPOModule(L.LightningModule):
         self._grad_norm = clip_and_step(params, opt, sched, self.update.max_grad_norm)
         if math.isfinite(self._grad_norm):
             return True
-        self._counters["skipped_optimizer_steps"] += 1
+        self.counters.add("skipped_optimizer_steps")
         rank_zero_warn("non-finite gradient norm: optimizer step skipped, weights untouched")
         return False
 
@@ -426,14 +361,14 @@ class FlowGRPOModule(L.LightningModule):
         self._grad_norm = float("nan")
 
     def _log_step(self) -> None:
-        # The update's mean losses as _update computed them for the moving reference: logging changes nothing.
+        # What the update and the parts left: logging reads state, it changes none.
         values = {k: v for k, v in self._losses.items() if k.startswith("actor/")}
         values |= {
-            "actor/kl_coef": self.objective.kl_coef,
+            "actor/kl_coef": self.kl.coef,
             "actor/grad_norm": self._grad_norm,
-            "actor/reference_refreshes": float(self.weights.refreshes),
+            "actor/reference_refreshes": float(self.copies.kl_reference.refreshes),
         }
-        values.update({f"actor/{k}": float(v) for k, v in self._counters.items()})
+        values.update({f"actor/{k}": float(v) for k, v in self.counters.values.items()})
         # Every value is the same on every rank (the gradient norm after the gradient all-reduce), so
         # nothing is synced: Lightning's fp32 mean over ranks would move even a constant (kl_coef 0.04
         # logged 0.0399999954 on 8 ranks), and would divide the counts by the number of ranks.
@@ -445,7 +380,7 @@ class FlowGRPOModule(L.LightningModule):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*compute.*before.*update.*")
             rewards = {k: float(v) for k, v in self.reward_stats.compute_prefixed().items()}
-            objective = self.objective.diagnostics_values(self.objective_stats)
+            objective = self.objective.diagnostics_values(self.objective_stats, self.global_step)
         self.log_dict(rewards, on_step=True, on_epoch=False)
         self.log_dict(objective, on_step=True, on_epoch=False)
         self.reward_stats.reset()
@@ -459,22 +394,14 @@ class FlowGRPOModule(L.LightningModule):
         with self.performance.sampling_weights(*self.policy.trainable_networks):
             images = self.sampler.evaluate(self.policy, list(batch.prompts), batch.seeds)
         rewards = self.reward(images, list(batch.prompts), list(batch.metadata))
-        for name, values in rewards.components.items():
-            key = name.replace("/", "__")
-            if key not in self.val_means:
-                # Created lazily: components are known only once the reward has run.
-                group = self.data_parallel.group  # data-parallel peers: a sequence-parallel group counts once
-                self.val_means[key] = MeanMetric(nan_strategy="ignore", process_group=group).to(self.device)
-                self.val_unscored[key] = SumMetric(process_group=group).to(self.device)
-            values = values.to(self.device)
-            self.val_means[key].update(values)
-            self.val_unscored[key].update((~torch.isfinite(values)).float())
+        for name, key in self.validation.update(rewards.components, self.device):
             # The reward declares which components are accuracy (val-core/) and which are not (val-aux/).
             mean_key, unscored_key = self.reward.validation_keys(name)
             # Name the attributes: Lightning's lookup of metric attributes is cached at the first log.
             log = dict(on_step=False, on_epoch=True)
-            self.log(mean_key, self.val_means[key], metric_attribute=f"val_means.{key}", **log)
-            self.log(unscored_key, self.val_unscored[key], metric_attribute=f"val_unscored.{key}", **log)
+            self.log(mean_key, self.validation.means[key], metric_attribute=f"validation.means.{key}", **log)
+            unscored = self.validation.unscored[key]
+            self.log(unscored_key, unscored, metric_attribute=f"validation.unscored.{key}", **log)
         return ValidationOutput(
             images=images.detach(),
             prompts=list(batch.prompts),
@@ -488,77 +415,22 @@ class FlowGRPOModule(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError(f"no trainable parameter: set {flag('lora')} or train the full transformer")
-        if self.optimizer_factory is None:
-            optimizer = torch.optim.AdamW(params, lr=3e-4, weight_decay=1e-4)
-        else:
-            optimizer = self.optimizer_factory(params)
-        if self.lr_scheduler_factory is None:
-            # A constant schedule, so LearningRateMonitor logs the rate under its DESIGN.md name.
-            scheduler = torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=0)
-        else:
-            scheduler = self.lr_scheduler_factory(optimizer)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "actor/lr"},
-        }
-
-    def _trainable_keys(self) -> set[str]:
-        return {name for name, p in self.named_parameters() if p.requires_grad}
+        return optimizers_for(params, self.optimizer_factory, self.lr_scheduler_factory)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Only the trainable weights (the LoRA adapter, or the transformer of a full fine-tune): the
         # frozen base is re-read from `pretrained`, so a 12B model's checkpoint stays adapter-sized.
-        keys = self._trainable_keys()
+        keys = {name for name, p in self.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keys}
-        checkpoint["lit_flowgrpo"] = {
-            "trainable_keys": sorted(keys),
-            "counters": dict(self._counters),
-            "idle_rollouts": self._idle.count,
-            # The old policy of DiffusionNFT and a moving KL reference (not trainable, so not in the
-            # state dict above), and the KL gate's controller.
-            "old_policy": self.weights.old_state_dict(self.policy),
-            "reference": self.weights.reference_state_dict(self.policy),
-            "kl_gate": None if self.advantage.kl_gate is None else self.advantage.kl_gate.state_dict(),
-        }
+        # Beside them, every part's state under its key (the copies' tensors are this rank's shards
+        # under FSDP2, which the strategy saves as such).
+        checkpoint["lit_flowgrpo"] = {"trainable_keys": sorted(keys), **self.parts.state_dict()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.strict_loading = False  # the frozen base is not in the checkpoint
-        expected = self._trainable_keys()
-        missing = expected - set(checkpoint["state_dict"])
-        if expected and missing:
-            raise SettingsError(
-                f"the checkpoint lacks {len(missing)} trainable tensors (e.g. {sorted(missing)[:3]}): it was "
-                "written with other LoRA settings or another policy; resume with the run's own config"
-            )
-        # Checked here, before Lightning's load_state_dict, which would list every tensor of another shape.
-        saved = checkpoint["state_dict"]
-        other = sorted(
-            (name, tuple(saved[name].shape), tuple(p.shape))
-            for name, p in self.named_parameters()
-            if name in expected and torch.is_tensor(saved[name]) and saved[name].shape != p.shape
-        )
-        if other:
-            name, was, now = other[0]
-            raise SettingsError(
-                f"the checkpoint's trainable tensors have other shapes than this run's ({len(other)} of "
-                f"{len(expected)}, e.g. {name}: checkpoint {list(was)}, this run {list(now)}): it was written "
-                f"with another {flag('lora')}.rank or another policy; resume with the run's own config"
-            )
-        ours = checkpoint.get("lit_flowgrpo", {})
-        self._counters.update(ours.get("counters", {}))
-        self._idle.count = ours.get("idle_rollouts", 0)
-        if self.weights.old_policy:
-            if not ours.get("old_policy"):
-                raise ValueError(
-                    f"the checkpoint holds no old policy, which {type(self.objective).__name__} needs: it was "
-                    "written by a run with another objective; resume with the run's own config"
-                )
-            self.weights.load_old_state_dict(self.policy, ours["old_policy"])
-        self.weights.load_reference_state_dict(self.policy, ours.get("reference", {}))
-        if self.advantage.kl_gate is not None and ours.get("kl_gate"):
-            self.advantage.kl_gate.load_state_dict(ours["kl_gate"])
+        trainable = {n: p for n, p in self.named_parameters() if p.requires_grad}
+        self.weights.check_resumed(checkpoint["state_dict"], trainable)
+        self.parts.load_state_dict(checkpoint.get("lit_flowgrpo", {}))
 
     def load_trainable_checkpoint(self, path: str, use_ema: bool = True) -> None:
         """Load a checkpoint's trainable weights (its EMA weights if present and ``use_ema``)."""
@@ -577,6 +449,6 @@ class FlowGRPOModule(L.LightningModule):
         """Write the LoRA adapter (:meth:`export` of a LoRA run)."""
         if self.lora is None:
             raise ValueError(
-                f"export_lora needs a LoRA run ({flag('lora')}); use export() for a full fine-tune"
+                f"export_lora needs a LoRA run ({flag('weights')}.lora); use export() for a full fine-tune"
             )
         self.export(path, overwrite=overwrite)

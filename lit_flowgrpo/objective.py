@@ -54,6 +54,7 @@ from lit_flowgrpo.algorithms import (
     ratio_norm_loss,
 )
 from lit_flowgrpo.errors import flag
+from lit_flowgrpo.kl import KLSettings
 from lit_flowgrpo.metrics import (
     DiagnosticsSettings,
     DictMetric,
@@ -99,6 +100,8 @@ class Objective:
     #: Whether an old policy is kept (a copy of the trained weights) that the rollout samples with and
     #: that is soft-updated after each update with :meth:`old_policy_decay`'s η (DiffusionNFT).
     old_policy: ClassVar[bool] = False
+    #: β of the KL regulariser when ``--model.init_args.kl.coef`` is left null: the published value.
+    default_kl_coef: ClassVar[float] = 0.0
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -115,10 +118,9 @@ class Objective:
             ]
         return []
 
-    def sampler_problems(self, sampler: Sampler, *, measure_reference: bool = False) -> list[str]:
-        """Problems with the sampler's settings for this objective (empty when fine); ``measure_reference``:
-        the KL to the reference is computed even where the loss does not use it
-        (:attr:`VisitContext.measure_reference`)."""
+    def sampler_problems(self, sampler: Sampler, kl: KLSettings) -> list[str]:
+        """Problems with the sampler's settings for this objective and the run's KL regulariser (β
+        resolved; empty when fine)."""
         return []
 
     def old_policy_decay(self, optimizer_steps: int) -> float | None:
@@ -129,15 +131,6 @@ class Objective:
     def rollout_records(self, diagnostics: DiagnosticsSettings) -> tuple[Record, ...]:
         """What the rollout records: :attr:`records`, plus what the diagnostics ask of it."""
         return self.records
-
-    @property
-    def uses_reference(self) -> bool:
-        """Whether a visit runs the reference policy (the KL term is on: ``kl_coef`` > 0)."""
-        return self.kl_coef > 0
-
-    @property
-    def kl_coef(self) -> float:
-        return 0.0
 
     def visits(self, batch: RolloutBatch) -> Sequence[int]:
         """The visits the update makes to each micro-batch, in order."""
@@ -181,22 +174,21 @@ class RatioObjective(Objective):
     (``actor/kl_new_old_mean``/``_max``) whenever μ_old was recorded: always for the objectives
     whose loss needs it, and for every ratio objective under ``diagnostics.step_kl`` (the default),
     which then asks the rollout for μ_old (its memory: :class:`~lit_flowgrpo.metrics.DiagnosticsSettings`).
-    The step KL is the transitions' own, with the √|dt| factor, whatever ``kl_with_dt`` says of the
+    The step KL is the transitions' own, with the √|dt| factor, whatever ``kl.with_dt`` says of the
     reference penalty's unit: it is Flow-DPPO's trust-region quantity, comparable with its δ.
+
+    The β·KL to the reference (:class:`~lit_flowgrpo.kl.KLSettings`: β, its form, the reference) is added
+    to the loss when β > 0.
 
     Args:
         clip_range: ε of the ratio clip.
         clip_range_high: ε_high of the upper clip; ``None`` uses ``clip_range``.
         adv_clip_max: advantages are clipped to ±this.
-        kl_coef: β of the KL penalty (0 turns the reference forward off).
-        kl_with_dt: the paper's KL, which also divides by |dt|, instead of the published code's.
     """
 
     clip_range: float = 1e-4
     clip_range_high: float | None = None
     adv_clip_max: float = 5.0
-    kl_coef: float = 0.0  # type: ignore[assignment]
-    kl_with_dt: bool = False
 
     @property
     def clip_high(self) -> float:
@@ -210,26 +202,24 @@ class RatioObjective(Objective):
         p = clip_range_problems(self.clip_range, self.clip_range_high, prefix=a)
         if self.adv_clip_max is not None and not self.adv_clip_max > 0:
             p.append(f"{a}adv_clip_max ({self.adv_clip_max}) must be > 0 (Flow-GRPO uses 5.0)")
-        if not self.kl_coef >= 0:
-            p.append(f"{a}kl_coef ({self.kl_coef}) must be >= 0")
         return p + super().problems(sde_type, flag_path)
 
-    def sampler_problems(self, sampler: Sampler, *, measure_reference: bool = False) -> list[str]:
+    def sampler_problems(self, sampler: Sampler, kl: KLSettings) -> list[str]:
         # CPS's last step has σ_next = 0, so its noise σ_next·sin(ηπ/2) is 0 and the KL to the reference,
         # which divides by it, is NaN or inf there: every gradient of such a rollout is NaN (measured
         # only, at β = 0, the logged KL is). The policy term itself stays finite (CPS's log-prob drops
         # the variance).
-        if sampler.sde_type != "cps" or not (self.uses_reference or measure_reference):
+        if sampler.sde_type != "cps" or not kl.runs_reference:
             return []
         reaches = sampler.last_step_problem(flag("sampler"))
         if reaches is None:
             return []
-        if self.uses_reference:
-            kl, harm = f"{flag('objective')}.kl_coef {self.kl_coef}", "every gradient there is NaN"
+        if kl.on:
+            which, harm = f"{flag('kl')}.coef {kl.coef}", "every gradient there is NaN"
         else:
-            kl, harm = "--model.init_args.diagnostics.reference_kl", "the KL measured there is not finite"
+            which, harm = f"{flag('kl')}.measure", "the KL measured there is not finite"
         return [
-            f"{flag('sampler')}.sde_type=cps with the KL to the reference ({kl}) divides by CPS's zero noise "
+            f"{flag('sampler')}.sde_type=cps with the KL to the reference ({which}) divides by CPS's zero noise "
             f"on the last step, so {harm}: {reaches}, or use sde_type sde"
         ]
 
@@ -246,13 +236,14 @@ class RatioObjective(Objective):
         """Extra keyword arguments of the diagnostics metric's ``update``, from the loss's statistics."""
         return {}
 
-    def kl(self, scored: ScoredStep, ref_prev_sample_mean: Tensor) -> Tensor:
-        """(N,) KL(μ_θ ‖ μ_ref) of the step's Gaussian transitions (DESIGN.md, Conventions)."""
+    def kl(self, scored: ScoredStep, ref_prev_sample_mean: Tensor, with_dt: bool = False) -> Tensor:
+        """(N,) KL(μ_θ ‖ μ_ref) of the step's Gaussian transitions (DESIGN.md, Conventions); ``with_dt``:
+        the paper's form, also divided by |dt|."""
         return kl_to_reference(
             scored.prev_sample_mean,
             ref_prev_sample_mean,
             scored.std_dev_t,
-            sqrt_dt=scored.sqrt_dt if self.kl_with_dt else None,
+            sqrt_dt=scored.sqrt_dt if with_dt else None,
         )
 
     def visits(self, batch: RolloutBatch) -> Sequence[int]:
@@ -266,7 +257,7 @@ class RatioObjective(Objective):
         x, cond = traj.latents[idx, j].float(), index_embeds(batch.embeds, idx)
         sigma = torch.full((len(idx),), float(traj.sigmas[j]), device=x.device)
         ref_mean = None
-        if self.uses_reference or ctx.measure_reference:
+        if ctx.kl.runs_reference:
             # Before the θ forward: a full fine-tune's reference swaps in weights the θ graph would save.
             with ctx.reference_timer(), torch.no_grad(), ctx.copies.reference():
                 ref_mean = traj.score(policy.velocity(x, sigma, cond, ctx.guidance), j, idx).prev_sample_mean
@@ -288,9 +279,11 @@ class RatioObjective(Objective):
             sqrt_dt=traj.sqrt_dt[rows, j],
         )
         pg_loss, stats = self.policy_loss(scored)
-        kl = batch.kl_term(self.kl(scored, ref_mean[:live]), rows) if ref_mean is not None else zero
+        kl = zero
+        if ref_mean is not None:
+            kl = batch.kl_term(self.kl(scored, ref_mean[:live], ctx.kl.with_dt), rows)
         # Only a KL the loss uses enters it: a measured one (β = 0) that is not finite must not make 0·inf.
-        loss = pg_loss + self.kl_coef * kl if self.uses_reference else pg_loss
+        loss = pg_loss + ctx.kl.coef * kl if ctx.kl.on else pg_loss
         diagnostics = dict(
             log_prob=step.log_prob.detach()[:live],
             old_log_prob=scored.old_log_prob,
@@ -443,7 +436,7 @@ class FlowDPPO(RatioObjective):
         adv_clip_max: ``None`` (the default, as both references): the advantages weigh the loss as
             they come; a number clips them to ±that, as Flow-GRPO's 5.0 does. Unclipped, one success
             in a group of 64 (|A| ≈ 7 with the group's std) keeps its full weight.
-        (``kl_coef``, ``kl_with_dt`` as :class:`RatioObjective`: the β·KL to the reference is added to
+        (the KL regulariser as :class:`RatioObjective`: the β·KL to the reference is added to
         the loss as for the others; the published runs use β = 0)
     """
 
@@ -517,7 +510,7 @@ class DiffusionNFT(Objective):
       sits at the k-th of a per-sample random permutation of the T rollout sigmas
       (:func:`~lit_flowgrpo.algorithms.nft_sample_times`), x_σ = (1 − σ)·x0 + σ·ε with fresh ε seeded
       per (rollout, inner epoch, sample, visit). A visit runs v_old (no grad), v_ref when
-      ``kl_coef`` > 0, and v_θ.
+      β > 0, and v_θ.
     - **Old-policy refresh**: after each rollout's update, θ_old ← η·θ_old + (1 − η)·θ with
       η = :meth:`old_policy_decay` of the optimizer steps taken so far (Lightning's ``global_step``;
       :func:`~lit_flowgrpo.algorithms.nft_old_policy_decay` of :attr:`schedule`). A step skipped for
@@ -539,13 +532,13 @@ class DiffusionNFT(Objective):
             objectives: DiffusionNFT trains on no recorded step.
         adaptive_weight: the reference's per-sample x0 weighting (published on).
         adaptive_weight_min: its floor (published 1e-5).
-        kl_coef: the reference's regulariser to the reference policy, kl_coef·mean((v_θ − v_ref)²)
-            (its ``train.beta``, published 1e-4; 0 turns the reference forward off).
     """
 
     name: ClassVar[str] = "diffusion_nft"
     records: ClassVar[tuple[Record, ...]] = ()
     old_policy: ClassVar[bool] = True
+    # The reference's regulariser to the reference policy, β·mean((v_θ − v_ref)²): its train.beta 1e-4.
+    default_kl_coef: ClassVar[float] = 1e-4
 
     beta: float = 1.0
     adv_clip_max: float = 5.0
@@ -555,7 +548,6 @@ class DiffusionNFT(Objective):
     visit_fraction: float = 0.99
     adaptive_weight: bool = True
     adaptive_weight_min: float = 1e-5
-    kl_coef: float = 1e-4  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if self.decay_schedule is not None:
@@ -580,8 +572,6 @@ class DiffusionNFT(Objective):
             p.append(f"{a}visit_fraction ({self.visit_fraction}) must lie in (0, 1] (published 0.99)")
         if not self.adaptive_weight_min > 0:
             p.append(f"{a}adaptive_weight_min ({self.adaptive_weight_min}) must be > 0 (published 1e-5)")
-        if not self.kl_coef >= 0:
-            p.append(f"{a}kl_coef ({self.kl_coef}) must be >= 0 (published 1e-4)")
         if self.decay_schedule is not None:
             if len(self.decay_schedule) != 3:
                 p.append(f"{a}decay_schedule ({self.decay_schedule}) must be (delay, rate, cap)")
@@ -597,7 +587,7 @@ class DiffusionNFT(Objective):
             p.append(f"{a}decay ({self.decay!r}) must be one of {sorted(NFT_DECAY_SCHEDULES)}")
         return p + super().problems(sde_type, flag_path)
 
-    def sampler_problems(self, sampler: Sampler, *, measure_reference: bool = False) -> list[str]:
+    def sampler_problems(self, sampler: Sampler, kl: KLSettings) -> list[str]:
         if sampler.guidance_scale > 1:
             return [
                 f"{flag('sampler')}.guidance_scale ({sampler.guidance_scale}) must be 1 with "
@@ -649,7 +639,7 @@ class DiffusionNFT(Objective):
         with torch.no_grad(), ctx.copies.old():
             v_old = policy.velocity(x, sigma, cond, 1.0)
         v_ref = None
-        if self.uses_reference or ctx.measure_reference:
+        if ctx.kl.runs_reference:
             with ctx.reference_timer(), torch.no_grad(), ctx.copies.reference():
                 v_ref = policy.velocity(x, sigma, cond, 1.0)
         v_theta = policy.velocity(x, sigma, cond, 1.0)
@@ -676,7 +666,7 @@ class DiffusionNFT(Objective):
             # The reference's regulariser: mean((v_θ − v_ref)²) per sample, then over the batch.
             diff = v_theta[:live].float() - v_ref[:live].float()  # (N, *latent) fp32
             kl = batch.kl_term((diff**2).mean(dim=tuple(range(1, diff.ndim))), rows)
-        loss = pg_loss + self.kl_coef * kl if self.uses_reference else pg_loss
+        loss = pg_loss + ctx.kl.coef * kl if ctx.kl.on else pg_loss
         diagnostics = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
         # No ratio to check: DiffusionNFT's off-policy gap is the old deviation, logged as such.
         return Visit(loss, pg_loss, kl, zero, diagnostics)

@@ -7,7 +7,7 @@ rollout and the update compute differently would show up as policy change and be
 
 - ``compute_dtype``: the matrix products run under ``torch.autocast`` in the dtype the policy loaded
   (bf16 for the shipped recipes). The LoRA weights, and a full fine-tune's transformer, stay fp32
-  master weights, as the optimizer needs (``--model.init_args.master_dtype``); without autocast peft
+  master weights, as the optimizer needs (``--model.init_args.weights.master_dtype``); without autocast peft
   computes the adapters in fp32, casting every adapter input to fp32 and back. A full fine-tune's
   frozen copies (the KL reference, the old policy) keep the loaded dtype and get the same autocast.
 - ``compile_blocks``: ``torch.compile`` of each repeated transformer block (regional compilation, as
@@ -166,8 +166,8 @@ class PerformanceSettings:
             )
         if full_fine_tune and self.rollout_merged_lora:
             p.append(
-                f"{flag}.rollout_merged_lora with a full fine-tune (--model.init_args.lora=null): it merges a "
-                "LoRA adapter, and a full fine-tune has none; set --model.init_args.lora, or drop the setting"
+                f"{flag}.rollout_merged_lora with a full fine-tune (--model.init_args.weights.lora=null): it merges a "
+                "LoRA adapter, and a full fine-tune has none; set --model.init_args.weights.lora, or drop the setting"
             )
         if isinstance(self.sequence_parallel, bool) or not isinstance(self.sequence_parallel, int):
             p.append(f"{flag}.sequence_parallel ({self.sequence_parallel!r}) must be a whole number of ranks")
@@ -291,7 +291,7 @@ class PerformanceSettings:
             if not convert_frozen_linears(repeated_blocks(transformer, "fp8_base_matmuls")):
                 raise ValueError(
                     "--model.init_args.performance.fp8_base_matmuls: the transformer blocks have no frozen "
-                    "linear layer (a full fine-tune trains them all): use it with --model.init_args.lora"
+                    "linear layer (a full fine-tune trains them all): use it with --model.init_args.weights.lora"
                 )
         if self.compile_blocks:
             _compile_repeated_blocks(transformer, self.compile_backend, self.compile_mode)
@@ -466,7 +466,9 @@ def _mergeable_lora_layers(transformer: nn.Module) -> list[Any]:
     layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
     flag = "--model.init_args.performance.rollout_merged_lora"
     if not layers:
-        raise ValueError(f"{flag} needs a LoRA adapter (--model.init_args.lora): there is nothing to merge")
+        raise ValueError(
+            f"{flag} needs a LoRA adapter (--model.init_args.weights.lora): there is nothing to merge"
+        )
     for layer in layers:
         if not isinstance(layer, LoraLinear) or layer.lora_variant or layer.merged or layer.disable_adapters:
             raise ValueError(

@@ -150,14 +150,11 @@ class Sampler:
         """The policy's objections to the rollout and validation sizes, frames included (before any
         weight is read)."""
         p = policy.image_size_problems(self.height, self.width)
-        check = getattr(policy, "frame_problems", None)  # a duck-typed image policy may lack it
         for name, frames in (("frames", self.frames), ("eval_frames", self.eval_frames)):
             if frames is None:  # eval_frames left null: the rollout's, checked as `frames`
                 continue
-            if check is not None and isinstance(frames, int) and frames >= 1:
-                p += check(frames, f"{flag}.{name}")
-            elif check is None and frames != 1:
-                p.append(f"{flag}.{name} ({frames}) must be 1 for {type(policy).__name__}, an image model")
+            if isinstance(frames, int) and frames >= 1:
+                p += policy.frame_problems(frames, f"{flag}.{name}")
         flags = (f"{flag}.eval_height", f"{flag}.eval_width")
         own = tuple(
             f for f, v in zip(flags, (self.eval_height, self.eval_width), strict=True) if v is not None
@@ -250,7 +247,7 @@ class Sampler:
                 the noise of the stochastic steps. ``None``: each sample's own seed draws both, in turn.
         """
         sde_steps, train_steps = self.plan(step, seed)
-        networks = getattr(policy, "trainable_networks", None) or (policy.transformer,)
+        networks = policy.trainable_networks
         was_training = [n.training for n in networks]
         for network in networks:
             network.eval()
@@ -436,7 +433,7 @@ class RolloutBatch:
     keep: Tensor
     """(B,) bool: the samples the update trains."""
     kl_weights: Tensor | None = None
-    """(B,) fp32 weight of each sample's KL penalty (GARDO's gate: :class:`~lit_flowgrpo.advantages.KLGate`);
+    """(B,) fp32 weight of each sample's KL penalty (GARDO's gate: :class:`~lit_flowgrpo.kl.KLGate`);
     ``None``: 1 for every sample."""
 
     def __len__(self) -> int:

@@ -7,8 +7,10 @@ just those to the host, on the steps it logs.
 
 from __future__ import annotations
 
-from typing import TypedDict
+import time
+from typing import Any, TypedDict
 
+import torch
 from torch import Tensor
 
 #: Stages of one training step, in the order they run (``timing_s/<stage>``).
@@ -16,6 +18,46 @@ STAGES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "step")
 
 #: Stages whose transformer forwards run without backward (rollout, old log-prob, reference).
 INFERENCE_STAGES = ("gen", "old_log_prob", "ref")
+
+#: The profiler range of a stage, where it is not ``lit_flowgrpo.<stage>``.
+_RANGES = {"update_actor": "update"}
+
+
+class StageClock:
+    """The stages of one training step, timed and marked: :meth:`begin` ends the stage before (its
+    seconds into :attr:`timings`) and opens the next one's profiler range, ``lit_flowgrpo.<stage>``
+    (``lit_flowgrpo.update`` for ``update_actor``), on the host's and, through it, the GPU's timeline.
+
+    On a GPU the clock reads after a device synchronize, so a stage's seconds are its kernels' too.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.timings = dict.fromkeys(STAGES, 0.0)
+        self._stage: str | None = None
+        self._range: Any = None
+        self._started = self._since = self.now()
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def begin(self, stage: str) -> None:
+        self.end()
+        self._stage = stage
+        self._range = torch.profiler.record_function(f"lit_flowgrpo.{_RANGES.get(stage, stage)}")
+        self._range.__enter__()
+        self._since = self.now()
+
+    def end(self) -> None:
+        """End the open stage, if any; ``timings["step"]`` is the whole step so far."""
+        now = self.now()
+        if self._stage is not None:
+            self.timings[self._stage] += now - self._since
+            self._range.__exit__(None, None, None)
+            self._stage = self._range = None
+        self.timings["step"] = now - self._started
 
 
 class StepOutput(TypedDict):

@@ -27,7 +27,7 @@ dtype (bf16), a LoRA adapter in fp32, and every forward computes exactly what it
 to bf16 for the forward, a different model from the one-GPU run (which computes the adapter under
 autocast from its fp32 weights), for little gain (the adapter is a small share of the all-gather).
 
-Dtypes, full fine-tune: the transformer's float32 master weights (``--model.init_args.master_dtype``) are
+Dtypes, full fine-tune: the transformer's float32 master weights (``--model.init_args.weights.master_dtype``) are
 sharded, each block cast as it is sharded (no rank holds a whole float32 copy), and each block's unit
 gets ``MixedPrecisionPolicy(param_dtype=<compute dtype>, reduce_dtype=float32)``: the all-gathers move
 bf16, as much as before, and the gradients are reduced and accumulated in float32 into the float32
@@ -38,7 +38,7 @@ forward (``reshard_after_forward=false``). The blocks' matrix products compute w
 computes from the same master weights (autocast rounds them to bf16 the same way); a block's parameter
 used outside a matrix product (an RMSNorm scale) is multiplied in bf16 here and in float32 under one
 GPU's autocast, a rounding apart. Frozen copies (the KL reference, the old policy) hold the policy's
-dtype in their matrix weights and the masters' in the rest (``lora.py``), and are sharded under the
+dtype in their matrix weights and the masters' in the rest (``copies.py``), and are sharded under the
 masters' policies, so that before any update they compute what the masters compute, here as on one GPU.
 
 Checkpoints hold the trainable parameters only (the frozen base is re-read from ``pretrained``, as on one
@@ -617,7 +617,7 @@ def strategy_problems(trainer: Any, dm: Any, performance: Any, offload_reference
         # whole frozen copy in block by block on one device (diffusers' group offloading) is not wired
         # here: the reference would then run outside the sharded path every other network takes.
         return [
-            f"--model.init_args.reference.offload=true needs --trainer.strategy=fsdp2, whose CPUOffloadPolicy "
+            f"--model.init_args.kl.reference.offload=true needs --trainer.strategy=fsdp2, whose CPUOffloadPolicy "
             f"streams the reference copy's shards in block by block; under {name} drop it (or shard the run)"
         ]
     if getattr(performance, "fp8_base_matmuls", False):

@@ -26,9 +26,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import Metric
 
+from lit_flowgrpo.data import split_problems
 from lit_flowgrpo.distributed import DataParallel, balanced_counts, load_balance
 from lit_flowgrpo.errors import flag
 from lit_flowgrpo.objective import Objective, VisitContext
+from lit_flowgrpo.parts import AfterUpdate
 from lit_flowgrpo.rollout import RolloutBatch
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "UpdateResult",
     "UpdateSettings",
     "clip_and_step",
+    "optimizers_for",
     "run_update",
 ]
 
@@ -89,12 +92,12 @@ class UpdateSettings:
         return p
 
     def batch_problems(self, samples_per_step: int, ranks: int) -> list[str]:
-        """The rollout batch against the data-parallel ranks and the micro-batch (known at setup)."""
-        if samples_per_step % ranks:
-            return [
-                f"--data.init_args.prompts_per_step × --data.init_args.group_size ({samples_per_step}) must be a "
-                f"multiple of the number of data-parallel ranks ({ranks})"
-            ]
+        """The rollout batch against the data-parallel ranks (the data's rule,
+        :func:`lit_flowgrpo.data.split_problems`), then against the optimizer steps and the micro-batch
+        (known at setup): every rule of the batch's divisibility, checked once, here."""
+        split = split_problems(samples_per_step, ranks)
+        if split:
+            return split
         per_rank, steps = samples_per_step // ranks, self.optimizer_steps_per_rollout
         if per_rank % steps:
             # Each rank's rows must be whole blocks of `steps_of`, or one process and N ranks would
@@ -193,6 +196,20 @@ class UpdateResult:
     """(4,) on the device: Σ loss, Σ pg_loss, Σ kl, non-finite losses over the visits."""
     num_losses: int = 0
 
+    def mean_losses(self, dp: DataParallel) -> tuple[dict[str, float], int]:
+        """The update's mean losses over every rank's micro-batches (``actor/loss``, ``pg_loss``,
+        ``kl_loss``) with their ``count``, and the non-finite losses of every rank.
+
+        Summed over the ranks (one gather, fp64; the step's one read of the loss sums), so every rank
+        holds what one process would, and the moving reference decides on the same KL on every rank."""
+        assert self.loss_sums is not None
+        count = self.loss_sums.new_tensor([self.num_losses], dtype=torch.float64)
+        sums = torch.cat([self.loss_sums.double(), count])
+        loss, pg_loss, kl_loss, nonfinite, total = dp.stack(sums).sum(0).tolist()
+        n = max(total, 1)
+        means = {"actor/loss": loss / n, "actor/pg_loss": pg_loss / n, "actor/kl_loss": kl_loss / n}
+        return {**means, "count": total}, int(nonfinite)
+
 
 def run_update(
     settings: UpdateSettings,
@@ -284,11 +301,7 @@ def run_update(
                 for v in visits:
                     out = objective.visit(epoch_ctx, batch, idx, live, v)
                     result.forwards["update"] += forwards_per_sample * len(idx)
-                    result.forwards["ref"] += (
-                        forwards_per_sample * len(idx)
-                        if objective.uses_reference or ctx.measure_reference
-                        else 0
-                    )
+                    result.forwards["ref"] += forwards_per_sample * len(idx) if ctx.kl.runs_reference else 0
                     if first:
                         _on_policy_check(out.on_policy_error, on_policy_tol, dp, hooks)
                         first = False
@@ -365,13 +378,25 @@ def clip_and_step(params: list[Tensor], optimizer: Any, scheduler: Any, max_norm
     return value
 
 
-@dataclass
 class IdleRollouts:
     """Consecutive rollouts that changed no weight. Such rollouts do not advance ``max_steps``, so a
-    run of them would spin forever: stop after ``limit``."""
+    run of them would spin forever: stop after ``limit``. A part (:mod:`lit_flowgrpo.parts`): the count
+    is saved, so a resumed run keeps counting."""
 
-    limit: int
-    count: int = 0
+    key = "idle_rollouts"
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count = 0
+
+    def state_dict(self) -> int:
+        return self.count
+
+    def load_state_dict(self, state: int | None) -> None:
+        self.count = int(state or 0)
+
+    def after_update(self, done: AfterUpdate) -> None:
+        self.observe(done.update_steps)
 
     def observe(self, optimizer_steps: int) -> None:
         if optimizer_steps:
@@ -397,3 +422,23 @@ ON_POLICY_CAUSES = (
     "or other train-mode layers, CFG in the rollout but not in the update (train_cfg=false), or "
     "non-deterministic kernels. Clipping treats this error as policy change."
 )
+
+
+def optimizers_for(
+    params: list[Tensor], optimizer: Callable[..., Any] | None, lr_scheduler: Callable[..., Any] | None
+) -> dict[str, Any]:
+    """``configure_optimizers``' answer for the trainable ``params``: the ``optimizer`` factory's
+    (``None``: AdamW(lr=3e-4, weight_decay=1e-4)), stepped with the ``lr_scheduler`` factory's schedule
+    once per optimizer step (``None``: a constant one, so that ``LearningRateMonitor`` logs the rate
+    under its DESIGN.md name, ``actor/lr``)."""
+    if not params:
+        raise ValueError(f"no trainable parameter: set {flag('weights')}.lora or train the full transformer")
+    opt = torch.optim.AdamW(params, lr=3e-4, weight_decay=1e-4) if optimizer is None else optimizer(params)
+    if lr_scheduler is None:
+        scheduler = torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0, total_iters=0)
+    else:
+        scheduler = lr_scheduler(opt)
+    return {
+        "optimizer": opt,
+        "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "actor/lr"},
+    }

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
 
 from lit_flowgrpo.copies import Copies
+from lit_flowgrpo.kl import KLSettings
 from lit_flowgrpo.policies.base import FlowPolicy
 
 __all__ = ["ScoredStep", "Visit", "VisitContext"]
@@ -36,9 +37,9 @@ class VisitContext:
     """CFG scale of the update's forwards (1: the conditional model alone)."""
     reference_timer: Callable[[], AbstractContextManager[Any]] = nullcontext
     """Wrapped around the reference forward (the ``ref`` stage's clock)."""
-    measure_reference: bool = False
-    """Run the reference forward and report the KL to it even where the loss does not use it
-    (``kl_coef`` 0; :attr:`~lit_flowgrpo.metrics.DiagnosticsSettings.reference_kl`)."""
+    kl: KLSettings = field(default_factory=lambda: KLSettings(coef=0.0))
+    """The KL regulariser, β resolved: whether a visit runs the reference (:attr:`KLSettings.runs_reference`),
+    β and the KL's form."""
     seed: int = 0
     """Fixed per (rollout, inner epoch) by the update loop: an objective that draws per visit
     (DiffusionNFT's noise and noise levels) seeds from it and the sample id, so that a draw does not

@@ -28,10 +28,18 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
-from lit_flowgrpo.advantages import AdvantageSettings, DiversityBonus, KLGate
+from lit_flowgrpo import (
+    FlowGRPO,
+    FlowGRPOModule,
+    LoraSettings,
+    PromptDataModule,
+    Sampler,
+    UpdateSettings,
+    WeightsSettings,
+)
+from lit_flowgrpo.advantages import AdvantageSettings, DiversityBonus
 from lit_flowgrpo.callbacks import RLThroughputMonitor, TrainableEMA
-from lit_flowgrpo.copies import ReferenceSettings
+from lit_flowgrpo.kl import KLGate, KLSettings, ReferenceSettings
 from lit_flowgrpo.objective import DiffusionNFT
 from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies import SD3Policy
@@ -124,7 +132,7 @@ def build(config: dict[str, Any]) -> tuple[RecordingModule, PromptDataModule]:
     lora = config.get("lora", True)
     kl_coef = config.get("kl_coef", 0.0)
     nft = config.get("objective") == "nft"
-    objective = DiffusionNFT(kl_coef=kl_coef) if nft else FlowGRPO(clip_range=1e-2, kl_coef=kl_coef)
+    objective = DiffusionNFT() if nft else FlowGRPO(clip_range=1e-2)
     lr = config.get("lr", 0.1)
     if config.get("optimizer", "sgd") == "adamw":
         optimizer = functools.partial(torch.optim.AdamW, lr=lr, weight_decay=1e-4)
@@ -135,6 +143,7 @@ def build(config: dict[str, Any]) -> tuple[RecordingModule, PromptDataModule]:
         scheduler = functools.partial(torch.optim.lr_scheduler.ExponentialLR, gamma=config["lr_decay"])
     advantage = AdvantageSettings()
     reward: Any = brightness
+    gate = None
     if config.get("gardo"):
         reward = MultiReward(GARDO_REWARD)
         gate = KLGate(
@@ -143,7 +152,7 @@ def build(config: dict[str, Any]) -> tuple[RecordingModule, PromptDataModule]:
             fraction=0.5,
             fraction_range=(0.1, 0.9),
         )
-        advantage = AdvantageSettings(kl_gate=gate, diversity_bonus=DiversityBonus(pool=4))
+        advantage = AdvantageSettings(diversity_bonus=DiversityBonus(pool=4))
     module = RecordingModule(
         out=config["out"],
         policy=SD3Policy(config["pipeline"], dtype=config.get("dtype", "float32"), max_sequence_length=16),
@@ -165,12 +174,19 @@ def build(config: dict[str, Any]) -> tuple[RecordingModule, PromptDataModule]:
             optimizer_steps_per_rollout=1,
             max_grad_norm=config.get("max_grad_norm"),
         ),
-        lora=LoraSettings(rank=2, alpha=4) if lora else None,
-        reference_copy=not lora and kl_coef > 0,
-        reference=ReferenceSettings(
-            **config.get("reference", {}), offload=config.get("offload_reference", False)
+        weights=WeightsSettings(
+            lora=LoraSettings(rank=2, alpha=4) if lora else None,
+            master_dtype=config.get("master_dtype", "float32"),
         ),
-        master_dtype=config.get("master_dtype", "float32"),
+        kl=KLSettings(
+            coef=kl_coef,
+            gate=gate,
+            reference=ReferenceSettings(
+                **config.get("reference", {}),
+                copy=not lora and kl_coef > 0,
+                offload=config.get("offload_reference", False),
+            ),
+        ),
         optimizer=optimizer,
         lr_scheduler=scheduler,
         performance=PerformanceSettings(**config.get("performance", {})),

@@ -19,7 +19,15 @@ import lightning as L
 import torch
 from fsdp_worker import MemoryLogger
 
-from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
+from lit_flowgrpo import (
+    FlowGRPO,
+    FlowGRPOModule,
+    LoraSettings,
+    PromptDataModule,
+    Sampler,
+    UpdateSettings,
+    WeightsSettings,
+)
 from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies import WanPolicy
 from lit_flowgrpo.strategies import FSDP2Strategy, end_distributed_process
@@ -84,7 +92,7 @@ def build(config: dict[str, Any]) -> tuple[Recorder, PromptDataModule]:
         sampler=Sampler(num_steps=3, height=32, width=32, frames=5, guidance_scale=4.5, batch_size=4),
         # No clipping: a clipped step has the norm of the limit, whatever the gradient's scale.
         update=UpdateSettings(micro_batch_size=2, optimizer_steps_per_rollout=1, max_grad_norm=None),
-        lora=LoraSettings(rank=2, alpha=4),
+        weights=WeightsSettings(lora=LoraSettings(rank=2, alpha=4)),
         # SGD: the weights move by lr × gradient, so a gradient off by a factor (the sp partial
         # gradients averaged instead of summed) moves them visibly; Adam's first step would hide it.
         optimizer=functools.partial(torch.optim.SGD, lr=config.get("lr", 1.0)),

@@ -21,11 +21,11 @@ from lit_flowgrpo.advantages import (
     GatedKL,
     GDPONormalisation,
     GroupNormalisation,
-    KLGate,
     KLGateController,
     MissingColumnError,
 )
 from lit_flowgrpo.distributed import DataParallel
+from lit_flowgrpo.kl import KLGate, KLSettings
 from lit_flowgrpo.parts import AfterUpdate, Part, Parts
 from lit_flowgrpo.rewards.base import MultiReward, RewardOutput
 
@@ -57,9 +57,10 @@ def _gate(**kw) -> KLGate:
 def test_each_transform_declares_the_columns_it_reads() -> None:
     reward, scores, _, _ = _batch()
     everything = AdvantageSettings(
-        aggregation="gdpo", filter_zero=True, kl_gate=_gate(), diversity_bonus=DiversityBonus(pool=2)
+        aggregation="gdpo", filter_zero=True, diversity_bonus=DiversityBonus(pool=2)
     )
-    steps = everything.transforms(reward, scores.components)
+    gate = KLGateController(_gate())
+    steps = everything.transforms(reward, scores.components, gate)
     assert [type(s) for s in steps] == [
         GDPONormalisation,
         FailureBudget,
@@ -77,8 +78,8 @@ def test_each_transform_declares_the_columns_it_reads() -> None:
     plain = AdvantageSettings().transforms(reward, scores.components)
     assert [type(s) for s in plain] == [GroupNormalisation, FailureBudget]
     assert plain[0].columns == ("total", "group_ids")
-    # The gate's transform moves the settings' one controller, the part the module checkpoints.
-    assert steps[-1].controller is everything.parts()[0]
+    # The gate's transform moves the run's one controller, the part the module checkpoints.
+    assert steps[-1].controller is gate
 
 
 class _Recording:
@@ -94,9 +95,10 @@ class _Recording:
 
 def test_the_stage_gathers_the_union_of_the_declared_columns_once() -> None:
     reward, scores, group_ids, images = _batch()
-    settings = AdvantageSettings(kl_gate=_gate(adaptive=False), diversity_bonus=DiversityBonus(pool=2))
+    settings = AdvantageSettings(diversity_bonus=DiversityBonus(pool=2))
     strategy = _Recording()
-    out = settings.for_batch(scores, group_ids, reward, DataParallel(0, 2, strategy), images)
+    gate = KLGateController(_gate(adaptive=False))
+    out = settings.for_batch(scores, group_ids, reward, DataParallel(0, 2, strategy), images, gate=gate)
     (sent,) = strategy.sent  # one collective
     # In the order the transforms first name them: total, group_ids (the normalisation), the 2·2·3
     # pooled features (the bonus), proxy and judge (the gate); t/strict, read by none, stays home.
@@ -107,11 +109,18 @@ def test_the_stage_gathers_the_union_of_the_declared_columns_once() -> None:
     assert torch.equal(sent[15], scores.components["t/judge"])
     assert out.values.shape == (24,) and out.kl_weights.shape == (24,)
     # Two ranks of identical samples: each sees what one process with both copies sees.
-    one = AdvantageSettings(kl_gate=_gate(adaptive=False), diversity_bonus=DiversityBonus(pool=2))
+    one = AdvantageSettings(diversity_bonus=DiversityBonus(pool=2))
     both = RewardOutput(
         torch.cat([scores.total] * 2), {k: torch.cat([v] * 2) for k, v in scores.components.items()}
     )
-    whole = one.for_batch(both, torch.cat([group_ids] * 2), reward, DataParallel(), torch.cat([images] * 2))
+    whole = one.for_batch(
+        both,
+        torch.cat([group_ids] * 2),
+        reward,
+        DataParallel(),
+        torch.cat([images] * 2),
+        gate=KLGateController(_gate(adaptive=False)),
+    )
     assert torch.equal(out.values, whole.values[:24]) and out.log == whole.log
 
 
@@ -127,9 +136,11 @@ def test_a_column_the_batch_lacks_is_named_with_the_ones_it_has() -> None:
     # A gate on a component the reward did not produce (problems() refuses it first, when it knows the
     # reward's weights): named before any collective.
     strategy = _Recording()
-    gate = AdvantageSettings(kl_gate=KLGate(proxy="t/proxy", auxiliary=["t/aesthetic"]))
-    with pytest.raises(MissingColumnError, match=r"kl_gate needs the column\(s\) \['t/aesthetic'\]"):
-        gate.for_batch(scores, group_ids, reward, DataParallel(0, 2, strategy))
+    gate = KLGateController(KLGate(proxy="t/proxy", auxiliary=["t/aesthetic"]))
+    with pytest.raises(
+        MissingColumnError, match=r"^--model\.init_args\.kl\.gate needs the column\(s\) \['t/aesthetic'\]"
+    ):
+        AdvantageSettings().for_batch(scores, group_ids, reward, DataParallel(0, 2, strategy), gate=gate)
     assert strategy.sent == []
     # And after the gather, a lookup of an absent column says which there are.
     with pytest.raises(MissingColumnError, match=r"no column 'x' in this batch \(its columns: total\)"):
@@ -147,12 +158,12 @@ def test_a_component_named_like_a_built_in_column_is_refused() -> None:
 def test_the_transforms_in_turn_are_the_stage() -> None:
     reward, scores, group_ids, images = _batch()
 
-    def settings() -> AdvantageSettings:
-        return AdvantageSettings(
-            filter_zero=True, kl_gate=_gate(adaptive=False), diversity_bonus=DiversityBonus(pool=2)
-        )
+    settings = AdvantageSettings(filter_zero=True, diversity_bonus=DiversityBonus(pool=2))
 
-    out = settings().for_batch(scores, group_ids, reward, DataParallel(), images)
+    def gate() -> KLGateController:
+        return KLGateController(_gate(adaptive=False))
+
+    out = settings.for_batch(scores, group_ids, reward, DataParallel(), images, gate=gate())
     columns = Columns(
         {
             "total": scores.total,
@@ -163,7 +174,7 @@ def test_the_transforms_in_turn_are_the_stage() -> None:
         }
     )
     state = AdvantageState.start(columns, torch.device("cpu"))
-    for step in settings().transforms(reward, scores.components):
+    for step in settings.transforms(reward, scores.components, gate()):
         state = step(state)
     assert torch.equal(out.values, state.values) and torch.equal(out.kl_weights, state.kl_weights)
     assert torch.equal(out.keep, state.keep) and out.log == state.log
@@ -177,19 +188,29 @@ def _uncertain(spread: float) -> tuple[Tensor, Tensor]:
     return proxy, torch.cat([proxy[:5], proxy[5:] - spread * 10])[None]
 
 
-def test_the_controller_is_a_part_made_once_per_settings() -> None:
-    settings = AdvantageSettings(kl_gate=_gate())
-    (part,) = settings.parts()
-    assert isinstance(part, Part) and isinstance(part, KLGateController) and part.key == "kl_gate"
-    assert settings.parts()[0] is part  # the same object every call
-    assert AdvantageSettings().parts() == []
-    # A copy (the module keeps one) has its own controller; the settings hold no run state.
+def test_the_controller_is_a_part_the_module_registers_once_per_run(tiny_sd3_path: str) -> None:
     import dataclasses
 
-    copy = dataclasses.replace(settings)
-    assert copy.parts()[0] is not part and copy.kl_gate is settings.kl_gate
-    assert dataclasses.asdict(settings)["kl_gate"] == dataclasses.asdict(_gate())
-    assert settings == AdvantageSettings(kl_gate=_gate())
+    from lit_flowgrpo import FlowGRPOModule, Sampler
+    from lit_flowgrpo.policies import SD3Policy
+
+    def module(kl: KLSettings) -> FlowGRPOModule:
+        reward = MultiReward(WEIGHTS, rewards={"t": _Table(4)}, max_workers=1)
+        return FlowGRPOModule(SD3Policy(tiny_sd3_path), reward, sampler=Sampler(height=32, width=32), kl=kl)
+
+    settings = KLSettings(coef=0.04, gate=_gate())
+    run = module(settings)
+    part = run.kl_gate
+    assert isinstance(part, Part) and isinstance(part, KLGateController) and part.key == "kl_gate"
+    assert [p for p in run.parts if p.key == "kl_gate"] == [part]  # registered once, checkpointed with them
+    assert run.kl_gate is part  # the same object every time
+    plain = module(KLSettings(coef=0.04))
+    assert plain.kl_gate is None and all(p.key != "kl_gate" for p in plain.parts)
+    # Another run of the same settings has its own controller; the settings hold no run state.
+    other = module(settings)
+    assert other.kl_gate is not part and other.kl.gate == settings.gate
+    assert dataclasses.asdict(settings)["gate"] == dataclasses.asdict(_gate())
+    assert settings == KLSettings(coef=0.04, gate=_gate())
     # It moves in the advantage stage, not after the update.
     part.weights(*_uncertain(0.5))
     before = part.state_dict()

@@ -219,16 +219,17 @@ def test_unsupported_strategies_point_to_fsdp2_before_lightning_speaks(run, stra
         (
             [
                 "--model.init_args.performance.fp8_base_matmuls=true",
-                "--model.init_args.lora=null",
-                "--model.init_args.reference_copy=true",
+                "--model.init_args.weights.lora=null",
+                "--model.init_args.kl.reference.copy=true",
             ],
-            r"--model\.init_args\.performance\.fp8_base_matmuls with a full fine-tune \(--model\.init_args\.lora=null\)",
+            r"--model\.init_args\.performance\.fp8_base_matmuls with a full fine-tune "
+            r"\(--model\.init_args\.weights\.lora=null\)",
         ),
         (
             [
                 "--model.init_args.performance.rollout_merged_lora=true",
-                "--model.init_args.lora=null",
-                "--model.init_args.reference_copy=true",
+                "--model.init_args.weights.lora=null",
+                "--model.init_args.kl.reference.copy=true",
             ],
             r"--model\.init_args\.performance\.rollout_merged_lora with a full fine-tune",
         ),

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from lit_flowgrpo.cli import FlowGRPOCLI, LogRunConfig, SettingsError, main
 
 # A module setting the checkpoint records (LightningCLI stores the module's arguments in it).
-KL_FLAG, KL_SAVED = "--model.init_args.objective.init_args.kl_coef", 0.04
+KL_FLAG, KL_SAVED = "--model.init_args.kl.coef", 0.04
 
 
 _fit_args = tiny_fit_args
@@ -138,7 +138,7 @@ def test_export_full_finetune_as_a_diffusers_transformer(tiny_sd3_path: str, tmp
 
     root = tmp_path / "run"
     # A full fine-tune needs a KL reference copy unless β = 0.
-    FlowGRPOCLI(args=_fit_args(tiny_sd3_path, root, "--model.init_args.lora=null", f"{KL_FLAG}=0.0"))
+    FlowGRPOCLI(args=_fit_args(tiny_sd3_path, root, "--model.init_args.weights.lora=null", f"{KL_FLAG}=0.0"))
     ckpt_path = root / "checkpoints" / "last.ckpt"
     out = tmp_path / "transformer"
     main(
@@ -208,7 +208,7 @@ def test_setting_changed_on_resume_is_refused_or_applied(
     # Opted in: the command line's value is the one the run uses (max_steps is already reached, so the
     # run restores the checkpoint and stops).
     cli = FlowGRPOCLI(args=[*args, "--override_checkpoint_settings=true"])
-    assert cli.model.objective.kl_coef == 0.5
+    assert cli.model.kl.coef == 0.5
     assert cli.trainer.global_step == 2
 
     # The optimizer's state (lr included) is restored whatever the flags: refused even when opted in.
@@ -227,16 +227,20 @@ def test_override_cannot_change_the_lora_rank(
     opted in, instead of Lightning's size mismatch, one line per tensor, after the weights load."""
     _forbid_instantiation(monkeypatch)
     ckpt = lora_run["ckpt"]
-    args = _fit_args(lora_run["pretrained"], tmp_path, f"--ckpt_path={ckpt}", "--model.init_args.lora.rank=8")
+    args = _fit_args(
+        lora_run["pretrained"], tmp_path, f"--ckpt_path={ckpt}", "--model.init_args.weights.lora.rank=8"
+    )
     text = _main_error([*args, "--override_checkpoint_settings=true"], capfd)
     assert text.startswith("lit-flowgrpo: error: --override_checkpoint_settings cannot change ")
-    assert "--model.init_args.lora.rank (command line 8, checkpoint 4)" in text
+    assert "--model.init_args.weights.lora.rank (command line 8, checkpoint 4)" in text
     assert len(text.strip().splitlines()) == 1 and "size mismatch" not in text
     # LoRA against a full fine-tune: other tensors altogether.
-    args = _fit_args(lora_run["pretrained"], tmp_path, f"--ckpt_path={ckpt}", "--model.init_args.lora=null")
+    args = _fit_args(
+        lora_run["pretrained"], tmp_path, f"--ckpt_path={ckpt}", "--model.init_args.weights.lora=null"
+    )
     text = _main_error([*args, "--override_checkpoint_settings=true"], capfd)
     assert (
-        "--override_checkpoint_settings cannot change --model.init_args.lora (command line null, a full "
+        "--override_checkpoint_settings cannot change --model.init_args.weights.lora (command line null, a full "
         "fine-tune, checkpoint a LoRA adapter)" in text
     )
 
@@ -245,7 +249,7 @@ def test_a_checkpoint_of_other_shapes_is_refused_before_it_loads(lora_run: dict[
     """The module's own check, for what the command line cannot see (another policy, a rank that the
     policy's default fills in): one message, before Lightning's load_state_dict lists every tensor."""
     cli = FlowGRPOCLI(
-        args=_fit_args(lora_run["pretrained"], lora_run["root"], "--model.init_args.lora.rank=8")[1:],
+        args=_fit_args(lora_run["pretrained"], lora_run["root"], "--model.init_args.weights.lora.rank=8")[1:],
         run=False,
     )
     cli.model.configure_model()
@@ -478,7 +482,7 @@ def test_every_logger_gets_the_config_and_no_run_overwrites_another(
             run_id_logger.logged,
         ):
             assert hparams["model.init_args.optimizer.init_args.lr"] == 3e-4
-            assert hparams["model.init_args.lora.rank"] == 4
+            assert hparams["model.init_args.weights.lora.rank"] == 4
             assert hparams["data.init_args.group_size"] == 4
     assert [Path(r[0].log_dir).name for r in runs] == ["version_0", "version_1"]
 
@@ -577,7 +581,7 @@ def test_a_checkpoint_written_before_the_rename_gets_the_new_key() -> None:
     from lit_flowgrpo.cli_diagnosis import rename_old_settings
     from lit_flowgrpo.objective import DiffusionNFT
 
-    saved = DiffusionNFT(visit_fraction=0.5, kl_coef=0.0).hparams()
+    saved = DiffusionNFT(visit_fraction=0.5, beta=0.5).hparams()
     saved["init_args"]["timestep_fraction"] = saved["init_args"].pop("visit_fraction")
     hparams = {
         "_class_path": "lit_flowgrpo.FlowGRPOModule",
@@ -588,6 +592,134 @@ def test_a_checkpoint_written_before_the_rename_gets_the_new_key() -> None:
     assert rename_old_settings(hparams) == [
         "lit_flowgrpo.objective.DiffusionNFT: timestep_fraction is now visit_fraction"
     ]
-    assert DiffusionNFT(**hparams["objective"]["init_args"]) == DiffusionNFT(visit_fraction=0.5, kl_coef=0.0)
+    assert DiffusionNFT(**hparams["objective"]["init_args"]) == DiffusionNFT(visit_fraction=0.5, beta=0.5)
     assert hparams["sampler"] == {"num_steps": 10, "timestep_fraction": 0.99}
     assert rename_old_settings(hparams) == []  # already new
+
+
+_WEIGHTS_MOVED = "(what is trained is one group, --model.init_args.weights)"
+_KL_MOVED = "(the KL regulariser (β, its form, the reference, the gate) is one group, --model.init_args.kl)"
+
+
+@pytest.mark.parametrize(
+    ("where", "says"),
+    [
+        (
+            "command_line",
+            f"--model.init_args.lora moved: it is now --model.init_args.weights.lora {_WEIGHTS_MOVED}",
+        ),
+        (
+            "yaml",
+            f"--model.init_args.objective.init_args.kl_coef moved: it is now --model.init_args.kl.coef {_KL_MOVED}",
+        ),
+    ],
+)
+def test_a_setting_that_moved_group_is_refused_with_its_new_flag(
+    where: str,
+    says: str,
+    tiny_sd3_path: str,
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trained weights (``weights``) and the KL regulariser (``kl``) are one group each now: an old
+    command line or YAML fails before anything is built, naming the flag that replaced the old key."""
+    from cli_helpers import load_shipped
+
+    _forbid_instantiation(monkeypatch)
+    config = load_shipped("tiny_sd3")
+    model = config["model"]["init_args"]
+    flags = []
+    if where == "yaml":
+        model["objective"]["init_args"]["kl_coef"] = model.pop("kl")["coef"]
+    else:
+        flags = ["--model.init_args.lora.rank=8"]
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    text = _main_error(
+        [
+            "fit",
+            "--config",
+            str(path),
+            f"--model.init_args.policy.init_args.pretrained={tiny_sd3_path}",
+            *flags,
+        ],
+        capfd,
+    )
+    assert says in text
+    assert "Does not validate against any of the Union subtypes" not in text and "Traceback" not in text
+
+
+def _old_layout(hparams: dict[str, Any]) -> None:
+    """The module's saved hyper-parameters, in place, as a checkpoint written before the ``weights`` and
+    ``kl`` groups holds them."""
+    weights, kl = hparams.pop("weights"), hparams.pop("kl")
+    hparams["lora"], hparams["master_dtype"] = weights["lora"], weights["master_dtype"]
+    reference = dict(kl["reference"])
+    hparams["reference_copy"] = reference.pop("copy")
+    hparams["reference"] = reference
+    hparams["objective"]["init_args"].update(kl_coef=kl["coef"], kl_with_dt=kl["with_dt"])
+    hparams["advantage"]["kl_gate"] = kl["gate"]
+    hparams["diagnostics"]["reference_kl"] = kl["measure"]
+
+
+def test_a_checkpoint_written_before_the_settings_moved_resumes(
+    lora_run: dict[str, Any], tmp_path: Path
+) -> None:
+    """A checkpoint whose hyper-parameters hold ``lora``, ``reference``, ``reference_copy``, the objective's
+    ``kl_coef`` and the advantage's ``kl_gate`` resumes through ``fit --ckpt_path``: its settings are moved
+    into their groups, where they equal this command line's (else the resume would name them)."""
+    import logging
+
+    root = tmp_path / "run"
+    shutil.copytree(lora_run["root"], root)
+    ckpt = root / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(ckpt, map_location="cpu", weights_only=True)
+    _old_layout(checkpoint["hyper_parameters"])
+    torch.save(checkpoint, ckpt)
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)["hyper_parameters"]
+    assert {"lora", "reference", "reference_copy"} <= saved.keys() and not {"weights", "kl"} & saved.keys()
+    assert saved["objective"]["init_args"]["kl_coef"] == KL_SAVED and "kl_gate" in saved["advantage"]
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # where rank_zero_info writes
+    logger.addHandler(handler)
+    try:
+        cli = FlowGRPOCLI(
+            args=_fit_args(lora_run["pretrained"], root, "--trainer.max_steps=4", f"--ckpt_path={ckpt}")
+        )
+    finally:
+        logger.removeHandler(handler)
+    assert cli.trainer.global_step == 4  # restored at step 2, then one more rollout
+    assert cli.model.kl.coef == KL_SAVED and cli.model.kl.reference.copy is False
+    assert cli.model.weights.lora.rank == 4 and cli.model.weights.lora.alpha == 8
+    (moved,) = [r for r in records if "was written before settings moved" in r]
+    for line in (
+        "lora is now weights.lora",
+        "objective.kl_coef is now kl.coef",
+        "advantage.kl_gate is now kl.gate",
+    ):
+        assert line in moved
+
+
+def test_a_null_two_levels_inside_the_module_reaches_the_parser_as_a_mapping() -> None:
+    # jsonargparse refuses `--model.init_args.weights.lora=null` (a NestedArg it cannot set to None) but
+    # takes the mapping, which it merges into the group; "none" is a value of its own and stays.
+    from lit_flowgrpo.cli import _nested_nulls
+
+    words = [
+        "--model.init_args.weights.lora=null",
+        "--model.init_args.kl.gate=~",
+        "--model.init_args.diagnostics.clip_gate=none",
+        "--data.init_args.val=null",
+        "--model.init_args.lora=null",
+    ]
+    assert _nested_nulls(words) == [
+        "--model.init_args.weights={lora: null}",
+        "--model.init_args.kl={gate: null}",
+        "--model.init_args.diagnostics.clip_gate=none",
+        "--data.init_args.val=null",
+        "--model.init_args.lora=null",
+    ]

@@ -374,13 +374,14 @@ def test_recipe_matches_its_source(name: str) -> None:
     for key in ("num_steps", "eval_num_steps"):
         assert sampler[key] == want[key], key
     assert advantage.get("std", "global") == want["advantage_std"]
-    for key in ("clip_range", "kl_coef"):
-        assert objective["init_args"][key] == pytest.approx(want[key], rel=1e-12), key
+    assert objective["init_args"]["clip_range"] == pytest.approx(want["clip_range"], rel=1e-12)
+    assert model["kl"]["coef"] == pytest.approx(want["kl_coef"], rel=1e-12)
     assert sampler["noise_level"] == pytest.approx(want["noise_level"], rel=1e-12)
     assert sampler["height"] == want["height"] and sampler["width"] == want.get("width", want["height"])
     assert sampler.get("frames", 1) == want.get("frames", 1)
     assert model["optimizer"]["init_args"]["lr"] == pytest.approx(want["lr"], rel=1e-12)
-    assert model["lora"]["rank"] == want["lora_rank"] and model["lora"]["alpha"] == want["lora_alpha"]
+    lora = model["weights"]["lora"]
+    assert lora["rank"] == want["lora_rank"] and lora["alpha"] == want["lora_alpha"]
     assert objective["init_args"]["adv_clip_max"] == 5.0 and update["max_grad_norm"] == 1.0
     if "guidance_scale" in want:
         assert sampler["guidance_scale"] == want["guidance_scale"]
@@ -523,7 +524,7 @@ def test_recipe_runs_one_rollout_on_cpu(
     # The recipe's algorithm settings reached the module untouched.
     assert module.objective.name == want["loss"]
     assert module.objective.clip_range == pytest.approx(want["clip_range"], rel=1e-12)
-    assert module.objective.kl_coef == pytest.approx(want["kl_coef"], rel=1e-12)
+    assert module.kl.coef == pytest.approx(want["kl_coef"], rel=1e-12)
     assert module.sampler.noise_level == pytest.approx(want["noise_level"], rel=1e-12)
     assert module.advantage.std == want["advantage_std"]
     assert module.policy.transformer.dtype == torch.bfloat16  # bf16 weights as published

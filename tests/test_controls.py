@@ -152,7 +152,14 @@ def test_gdpo_trains_around_failed_components(tiny_sd3_path: str, tmp_path: Path
     """Two prompts, two components: 'contrast' fails on every sample, 'brightness' on every sample of
     one prompt. The other prompt's group trains on its brightness alone; the failed group is kept out
     of the update, and the run says so in its warnings and metrics."""
-    from lit_flowgrpo import AdvantageSettings, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler
+    from lit_flowgrpo import (
+        AdvantageSettings,
+        FlowGRPOModule,
+        LoraSettings,
+        PromptDataModule,
+        Sampler,
+        WeightsSettings,
+    )
     from lit_flowgrpo.policies import SD3Policy
     from lit_flowgrpo.rewards import MultiReward
     from lit_flowgrpo.update import UpdateSettings
@@ -174,7 +181,7 @@ def test_gdpo_trains_around_failed_components(tiny_sd3_path: str, tmp_path: Path
         sampler=Sampler(num_steps=3, eval_num_steps=2, height=32, width=32),
         advantage=AdvantageSettings(aggregation="gdpo", std="group"),
         update=UpdateSettings(micro_batch_size=4, optimizer_steps_per_rollout=1),
-        lora=LoraSettings(rank=2, alpha=4),
+        weights=WeightsSettings(lora=LoraSettings(rank=2, alpha=4)),
     )
     trainer = L.Trainer(
         accelerator="cpu",
@@ -227,9 +234,9 @@ def test_an_ema_reference_on_the_tiny_pipeline_is_checkpointed_and_resumed(
     the checkpoint holds the reference, between the adapter as it started and as it ended, and a run
     resumed from it starts from that reference."""
     ema = [
-        "--model.init_args.objective.init_args.kl_coef=0.1",
-        "--model.init_args.reference.mode=ema",
-        "--model.init_args.reference.ema_decay=0.5",
+        "--model.init_args.kl.coef=0.1",
+        "--model.init_args.kl.reference.mode=ema",
+        "--model.init_args.kl.reference.ema_decay=0.5",
     ]
     cli = FlowGRPOCLI(args=tiny_fit_args(tiny_sd3_path, tmp_path, *ema))
     assert cli.trainer.global_step == 2
@@ -275,9 +282,9 @@ def test_gardo_on_the_shapes_world(tmp_path: Path) -> None:
             "--data.init_args.prompts_per_step=2",
             "--data.init_args.group_size=8",
             "--model.init_args.update.micro_batch_size=16",
-            "--model.init_args.reference.refresh_every=2",
-            "--model.init_args.advantage.kl_gate.adaptive=false",
-            "--model.init_args.advantage.kl_gate.fraction=0.5",
+            "--model.init_args.kl.reference.refresh_every=2",
+            "--model.init_args.kl.gate.adaptive=false",
+            "--model.init_args.kl.gate.fraction=0.5",
         ]
     )
     assert cli.trainer.global_step == 2 and len(Record.steps) == 2

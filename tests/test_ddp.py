@@ -22,6 +22,7 @@ from lit_flowgrpo import (
     PromptDataModule,
     Sampler,
     UpdateSettings,
+    WeightsSettings,
 )
 from lit_flowgrpo.objective import DiffusionNFT
 from lit_flowgrpo.performance import PerformanceSettings
@@ -115,7 +116,7 @@ def run(path: str, prompts: str, out: Path, devices: int, fp8: bool = False, nft
             num_steps=STEPS, eval_num_steps=2, height=SIZE, width=SIZE, guidance_scale=guidance(nft)
         ),
         update=UpdateSettings(micro_batch_size=2, optimizer_steps_per_rollout=1),
-        lora=LoraSettings(rank=2, alpha=4),
+        weights=WeightsSettings(lora=LoraSettings(rank=2, alpha=4)),
         performance=PerformanceSettings(fp8_base_matmuls=fp8),
         # SGD: the weights move by lr × gradient, so ranks that agree on the gradient agree on the
         # weights. Adam's first step is ±lr for every element whatever its gradient's size, so a
@@ -243,7 +244,7 @@ def run_balanced(path: str, prompts: str, out: Path) -> None:
         sampler=Sampler(num_steps=3, eval_num_steps=2, height=32, width=32),
         advantage=AdvantageSettings(filter_zero=True, std="group"),
         update=UpdateSettings(micro_batch_size=2, optimizer_steps_per_rollout=1, balance_load=True),
-        lora=LoraSettings(rank=2, alpha=4),
+        weights=WeightsSettings(lora=LoraSettings(rank=2, alpha=4)),
     )
     data = PromptDataModule(train=prompts, prompts_per_step=4, group_size=2, seed=3)
     fit_two_steps(module, data, devices=2)

@@ -33,7 +33,7 @@ import torch
 from ddp_helpers import CloseProcessGroup
 from test_ddp import RecordingModule, brightness, collect
 
-from lit_flowgrpo import FlowGRPO, LoraSettings, PromptDataModule, Sampler, UpdateSettings
+from lit_flowgrpo import FlowGRPO, LoraSettings, PromptDataModule, Sampler, UpdateSettings, WeightsSettings
 from lit_flowgrpo.policies import SD3Policy
 
 EPS32 = torch.finfo(torch.float32).eps
@@ -91,7 +91,7 @@ def run(path: str, prompts: str, out: Path, devices: int) -> None:
         # Rollout chunks of 4: the one process's two chunks are the two ranks' batches.
         sampler=Sampler(num_steps=3, eval_num_steps=2, height=32, width=32, batch_size=4),
         update=UpdateSettings(micro_batch_size=1, optimizer_steps_per_rollout=2),
-        lora=LoraSettings(rank=2, alpha=4),
+        weights=WeightsSettings(lora=LoraSettings(rank=2, alpha=4)),
         optimizer=functools.partial(torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS),
     )
     data = PromptDataModule(train=prompts, prompts_per_step=2, group_size=4, seed=5)

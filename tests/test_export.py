@@ -40,8 +40,8 @@ def full_run(tiny_sd3_path: str, tmp_path_factory: pytest.TempPathFactory) -> di
     return _fit(
         tiny_sd3_path,
         tmp_path_factory.mktemp("full_run"),
-        "--model.init_args.lora=null",
-        "--model.init_args.objective.init_args.kl_coef=0.0",
+        "--model.init_args.weights.lora=null",
+        "--model.init_args.kl.coef=0.0",
     )
 
 

@@ -16,7 +16,7 @@ from lit_flowgrpo.fp8 import (
 )
 from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies import SD3Policy
-from lit_flowgrpo.weights import LoraSettings, TrainableWeights
+from lit_flowgrpo.weights import LoraSettings, TrainableWeights, WeightsSettings
 
 # e4m3 keeps 3 mantissa bits: rounding to it moves a value by at most 2^-4 of itself (the scale maps
 # each row's largest magnitude to 448, inside the normal range, so nothing underflows that matters at
@@ -126,7 +126,7 @@ def test_only_frozen_block_linears_outside_the_norms_convert():
 def _policy(path: str, lora: LoraSettings | None, performance: PerformanceSettings) -> SD3Policy:
     policy = SD3Policy(path, dtype="float32", max_sequence_length=16)
     policy.load()
-    TrainableWeights(lora).attach(policy)
+    TrainableWeights(WeightsSettings(lora=lora)).attach(policy)
     performance.apply(policy.transformer)
     return policy
 
@@ -162,7 +162,8 @@ def test_lora_policy_runs_its_base_in_float8(tiny_sd3_path):
 
 def test_a_full_fine_tune_has_no_frozen_linear_to_convert(tiny_sd3_path):
     with pytest.raises(
-        ValueError, match=r"--model\.init_args\.performance\.fp8_base_matmuls.*--model\.init_args\.lora"
+        ValueError,
+        match=r"--model\.init_args\.performance\.fp8_base_matmuls.*--model\.init_args\.weights\.lora",
     ):
         _policy(tiny_sd3_path, None, PerformanceSettings(fp8_base_matmuls=True))
 
@@ -179,7 +180,7 @@ def test_every_rule_of_fp8_base_matmuls_is_one_function():
     assert fp8_problems() == [] and fp8_problems(device=torch.device("cpu")) == []
     (full,) = fp8_problems(full_fine_tune=True)
     assert full == PerformanceSettings(fp8_base_matmuls=True).problems(full_fine_tune=True)[0]
-    assert "with a full fine-tune (--model.init_args.lora=null)" in full
+    assert "with a full fine-tune (--model.init_args.weights.lora=null)" in full
     (sharded,) = fp8_problems(sharded=True)
     assert "defeats --trainer.strategy=fsdp2: use ddp" in sharded
     assert PerformanceSettings().problems(full_fine_tune=True) == []  # off: no rule applies

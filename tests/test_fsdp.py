@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from lit_flowgrpo import FlowGRPOModule, LoraSettings, PromptDataModule
+from lit_flowgrpo import FlowGRPOModule, LoraSettings, PromptDataModule, WeightsSettings
 from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.policies import SD3Policy
 from lit_flowgrpo.strategies import FSDP2Strategy, transformer_blocks
@@ -464,7 +464,9 @@ def test_fsdp2_float32_masters_equal_single_process(tiny_sd3_path, prompt_file, 
 
 def _module(path: str) -> FlowGRPOModule:
     return FlowGRPOModule(
-        policy=SD3Policy(path, dtype="float32"), reward=fsdp_worker.brightness, lora=LoraSettings(rank=2)
+        policy=SD3Policy(path, dtype="float32"),
+        reward=fsdp_worker.brightness,
+        weights=WeightsSettings(lora=LoraSettings(rank=2)),
     )
 
 
@@ -599,7 +601,7 @@ def test_fp8_base_is_refused_under_fsdp2_before_any_weight_loads(tiny_sd3_path, 
     module = FlowGRPOModule(
         policy=SD3Policy(tiny_sd3_path, dtype="float32"),
         reward=fsdp_worker.brightness,
-        lora=LoraSettings(rank=2),
+        weights=WeightsSettings(lora=LoraSettings(rank=2)),
         performance=PerformanceSettings(fp8_base_matmuls=True),
     )
     data = PromptDataModule(train=prompt_file, prompts_per_step=2, group_size=4)

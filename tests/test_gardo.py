@@ -11,12 +11,14 @@ import torch
 from test_advantages_gdpo import _Ranks, _Sent
 from torch import nn
 
-from lit_flowgrpo.advantages import AdvantageSettings, DiversityBonus, KLGate, KLGateController
+from lit_flowgrpo.advantages import AdvantageSettings, DiversityBonus, KLGateController
 from lit_flowgrpo.algorithms import diversity_multipliers, gardo_uncertainty, gated_kl_weights, win_rates
 from lit_flowgrpo.data import GroupSampler
 from lit_flowgrpo.distributed import DataParallel
-from lit_flowgrpo.lora import LoraSettings, ReferenceSettings, TrainableWeights
+from lit_flowgrpo.kl import KLGate, KLSettings, ReferenceSettings
+from lit_flowgrpo.parts import AfterUpdate
 from lit_flowgrpo.rewards.base import MultiReward, RewardOutput
+from lit_flowgrpo.weights import LoraSettings, TrainableWeights, WeightsSettings
 
 NAN = float("nan")
 
@@ -169,20 +171,26 @@ def test_gate_and_bonus_settings_are_refused_with_their_flag() -> None:
     import lit_flowgrpo.toy  # noqa: F401  (registers the shapes world's rewards)
 
     reward = MultiReward({"shapes_color": 1.0, "shapes/strict": 0.0, "shapes/partial": 0.0})
-    flag = "--model.init_args.advantage.kl_gate"
+    weights = dict(reward.weights)
+    flag = "--model.init_args.kl.gate"
+
+    def gated(gate: KLGate, coef: float = 0.04) -> list[str]:
+        return KLSettings(coef=coef, gate=gate).problems(full_fine_tune=False, reward_weights=weights)
+
     said = "\n".join(
-        AdvantageSettings(
-            kl_gate=KLGate(proxy="shapes_color", auxiliary=["shapes/partial", "aesthetic"], fraction=1.5),
-            diversity_bonus=DiversityBonus(pool=0),
-        ).problems(reward=reward)
+        gated(KLGate(proxy="shapes_color", auxiliary=["shapes/partial", "aesthetic"], fraction=1.5))
+        + AdvantageSettings(diversity_bonus=DiversityBonus(pool=0)).problems(reward=reward)
     )
     assert f"{flag}.fraction (1.5) must lie in (0, 1]" in said
     assert f"{flag} names ['aesthetic'], which the reward does not compute" in said
     assert "--model.init_args.advantage.diversity_bonus.pool (0) must be at least 1" in said
-    said = "\n".join(AdvantageSettings(kl_gate=KLGate(proxy="shapes_color")).problems(reward=reward))
+    said = "\n".join(gated(KLGate(proxy="shapes_color")))
     assert f"{flag}.auxiliary is empty" in said
-    assert not AdvantageSettings(kl_gate=KLGate(proxy="shapes_color", auxiliary=["shapes/partial"])).problems(
-        reward=reward
+    assert not gated(KLGate(proxy="shapes_color", auxiliary=["shapes/partial"]))
+    # A gate of no KL penalty (β = 0) is refused with the flag that sets β.
+    (said,) = gated(KLGate(proxy="shapes_color", auxiliary=["shapes/partial"]), coef=0.0)
+    assert said.startswith(
+        f"{flag} gates the KL penalty, but there is none: set --model.init_args.kl.coef > 0"
     )
 
 
@@ -191,21 +199,22 @@ def test_a_gate_that_could_never_gate_is_refused() -> None:
     sample: nothing gated, the KL never applied), is refused before any weight loads, one line each."""
     import lit_flowgrpo.toy  # noqa: F401  (registers the shapes world's rewards)
 
-    flag = "--model.init_args.advantage.kl_gate"
+    flag = "--model.init_args.kl.gate"
+
+    def said_of(gate: KLGate, reward: MultiReward | None = None) -> list[str]:
+        weights = None if reward is None else dict(reward.weights)
+        return KLSettings(coef=0.04, gate=gate).problems(full_fine_tune=False, reward_weights=weights)
+
     reward = MultiReward({"shapes_color": 0.0, "shapes/strict": 1.0, "shapes/partial": 0.0})
-    said = AdvantageSettings(kl_gate=KLGate(proxy="shapes_color", auxiliary=["shapes/partial"])).problems(
-        reward=reward
-    )
+    said = said_of(KLGate(proxy="shapes_color", auxiliary=["shapes/partial"]), reward)
     assert len(said) == 1 and "\n" not in said[0]
     assert said[0].startswith(f"{flag}.proxy ('shapes_color') has weight 0 in --model.init_args.reward")
     assert "['shapes/strict']" in said[0]  # the fix names the trained components
     reward = MultiReward({"shapes_color": 1.0, "shapes/partial": 0.0})
-    said = AdvantageSettings(
-        kl_gate=KLGate(proxy="shapes_color", auxiliary=["shapes_color", "shapes/partial"])
-    ).problems(reward=reward)
+    said = said_of(KLGate(proxy="shapes_color", auxiliary=["shapes_color", "shapes/partial"]), reward)
     assert len(said) == 1 and said[0].startswith(f"{flag}.auxiliary names the proxy 'shapes_color' itself")
     # Without the reward's weights (a plain callable) the self-judging gate is still refused.
-    said = AdvantageSettings(kl_gate=KLGate(proxy="p", auxiliary=["p"])).problems()
+    said = said_of(KLGate(proxy="p", auxiliary=["p"]))
     assert len(said) == 1 and "names the proxy 'p' itself" in said[0]
 
 
@@ -233,19 +242,18 @@ def test_gate_and_bonus_on_n_ranks_give_each_sample_what_one_process_gives_it(wo
     weights = {"t/proxy": 1.0, "t/judge": 0.0, "t/gold": 0.0}
     reward = MultiReward(weights, rewards={"t": _Table(64)}, max_workers=1)
 
-    def settings() -> AdvantageSettings:
-        return AdvantageSettings(
-            kl_gate=KLGate(proxy="t/proxy", auxiliary=["t/judge"], fraction=0.2),
-            diversity_bonus=DiversityBonus(pool=4),
-        )
+    def settings() -> tuple[AdvantageSettings, KLGateController]:
+        gate = KLGateController(KLGate(proxy="t/proxy", auxiliary=["t/judge"], fraction=0.2))
+        return AdvantageSettings(diversity_bonus=DiversityBonus(pool=4)), gate
 
-    def run(w: int, rank: int, parts: list, s: AdvantageSettings):
+    def run(w: int, rank: int, parts: list, s: tuple[AdvantageSettings, KLGateController]):
         _, group_ids, sample_ids = GroupSampler(64, 4, 6, w, rank, seed=1).step_indices(2)
         dp = DataParallel(rank, w, _Ranks(parts, rank)) if w > 1 else DataParallel()
         scores: RewardOutput = reward(
             _images(sample_ids), [""] * len(sample_ids), [{"id": int(i)} for i in sample_ids]
         )
-        out = s.for_batch(scores, group_ids, reward, dp, _images(sample_ids))
+        stage, gate = s
+        out = stage.for_batch(scores, group_ids, reward, dp, _images(sample_ids), gate=gate)
         return sample_ids, out
 
     ids, one = run(1, 0, [None], settings())
@@ -273,11 +281,9 @@ def test_the_stage_is_the_rederivation_of_its_parts() -> None:
     ids = torch.arange(24)
     group_ids = ids // 6
     scores = reward(_images(ids), [""] * 24, [{"id": int(i)} for i in ids])
-    s = AdvantageSettings(
-        kl_gate=KLGate(proxy="t/proxy", auxiliary=["t/judge"], fraction=0.5, adaptive=False),
-        diversity_bonus=DiversityBonus(pool=2, distance="mse"),
-    )
-    out = s.for_batch(scores, group_ids, reward, DataParallel(), _images(ids))
+    s = AdvantageSettings(diversity_bonus=DiversityBonus(pool=2, distance="mse"))
+    gate = KLGateController(KLGate(proxy="t/proxy", auxiliary=["t/judge"], fraction=0.5, adaptive=False))
+    out = s.for_batch(scores, group_ids, reward, DataParallel(), _images(ids), gate=gate)
     from lit_flowgrpo.algorithms import group_advantages
     from lit_flowgrpo.diversity import pooled_pixels
 
@@ -315,12 +321,10 @@ def test_the_kl_weights_average_to_one_over_the_samples_the_update_trains(filter
         {"t/proxy": 1.0, "t/judge": 0.0}, rewards={"t": _Fixed({"proxy": proxy, "judge": judge})}
     )
     ids = torch.arange(24)
-    s = AdvantageSettings(
-        filter_zero=filter_zero,
-        kl_gate=KLGate(proxy="t/proxy", auxiliary=["t/judge"], fraction=1.0, adaptive=False),
-    )
+    s = AdvantageSettings(filter_zero=filter_zero)
+    gate = KLGateController(KLGate(proxy="t/proxy", auxiliary=["t/judge"], fraction=1.0, adaptive=False))
     scores = reward(_images(ids), [""] * 24, [{"id": int(i)} for i in ids])
-    out = s.for_batch(scores, ids // 6, reward, DataParallel())
+    out = s.for_batch(scores, ids // 6, reward, DataParallel(), gate=gate)
     # What the update trains, derived here from the advantages (the module trains out.keep).
     trained = torch.isfinite(scores.total) & ((out.values != 0) if filter_zero else True)
     w = out.kl_weights.double()
@@ -367,6 +371,8 @@ class _Policy(nn.Module):
     """The smallest policy TrainableWeights needs: a transformer child with LoRA targets."""
 
     default_lora_targets = ("proj",)
+    default_lora_rank = 32  # FlowPolicy's defaults: the rank when unset, alpha 2·rank
+    default_lora_alpha = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -374,12 +380,24 @@ class _Policy(nn.Module):
         self.transformer = nn.Sequential()
         self.transformer.add_module("proj", nn.Linear(4, 4))
 
+    @property
+    def trainable_networks(self) -> tuple[nn.Module, ...]:
+        return (self.transformer,)
+
     def out(self, x: torch.Tensor) -> torch.Tensor:
         return self.transformer(x)
 
 
 def _trained(weights: TrainableWeights, policy: _Policy) -> dict[str, torch.Tensor]:
     return {n: p for n, p in policy.transformer.named_parameters() if p.requires_grad}
+
+
+def _refreshed(weights: TrainableWeights, policy: _Policy, optimizer_steps: int, kl: float) -> bool:
+    """Move the reference after an update with this KL; whether it was set to the trained weights."""
+    reference = weights.copies.kl_reference
+    before = reference.refreshes
+    reference.after_update(AfterUpdate(policy, optimizer_steps, 1, {"actor/kl_loss": kl, "count": 1}))
+    return reference.refreshes > before
 
 
 def _nudge(weights: TrainableWeights, policy: _Policy, by: float) -> None:
@@ -392,67 +410,65 @@ def _nudge(weights: TrainableWeights, policy: _Policy, by: float) -> None:
 def test_a_refreshed_reference_moves_on_schedule_and_on_kl(lora: bool) -> None:
     policy = _Policy()
     weights = TrainableWeights(
-        LoraSettings(rank=2) if lora else None,
-        reference_copy=not lora,
-        reference_settings=ReferenceSettings(mode="refreshed", refresh_every=3, refresh_kl=0.5),
+        WeightsSettings(lora=LoraSettings(rank=2) if lora else None),
+        reference=ReferenceSettings(mode="refreshed", refresh_every=3, refresh_kl=0.5, copy=not lora),
     )
     weights.attach(policy)
     x = torch.randn(5, 4)
-    with weights.reference(policy):
+    with weights.copies.reference():
         initial = policy.out(x).detach()
     _nudge(weights, policy, 0.1)
     trained = policy.out(x).detach()
     assert not torch.equal(trained, initial)
-    with weights.reference(policy):
+    with weights.copies.reference():
         assert torch.equal(policy.out(x), initial)  # not yet refreshed
     assert torch.equal(policy.out(x), trained)  # the trained weights are back
-    assert not weights.after_update(policy, optimizer_steps=2, kl=0.1)  # 2 < 3 steps, KL low
-    assert weights.after_update(policy, optimizer_steps=3, kl=0.1)  # 3 steps since the start
-    with weights.reference(policy):
+    assert not _refreshed(weights, policy, optimizer_steps=2, kl=0.1)  # 2 < 3 steps, KL low
+    assert _refreshed(weights, policy, optimizer_steps=3, kl=0.1)  # 3 steps since the start
+    with weights.copies.reference():
         assert torch.equal(policy.out(x), trained)
     _nudge(weights, policy, 0.1)
-    assert not weights.after_update(policy, optimizer_steps=4, kl=float("nan"))  # a broken update
-    assert weights.after_update(policy, optimizer_steps=4, kl=0.6)  # drifted past refresh_kl
-    assert weights.refreshes == 2
+    assert not _refreshed(weights, policy, optimizer_steps=4, kl=float("nan"))  # a broken update
+    assert _refreshed(weights, policy, optimizer_steps=4, kl=0.6)  # drifted past refresh_kl
+    assert weights.copies.kl_reference.refreshes == 2
     # A checkpoint holds the reference: a fresh run restored from it computes the same reference.
-    state = weights.reference_state_dict(policy)
+    state = weights.copies.kl_reference.state_dict()
     other_policy = _Policy()
     other = TrainableWeights(
-        LoraSettings(rank=2) if lora else None,
-        reference_copy=not lora,
-        reference_settings=ReferenceSettings(mode="refreshed", refresh_every=3, refresh_kl=0.5),
+        WeightsSettings(lora=LoraSettings(rank=2) if lora else None),
+        reference=ReferenceSettings(mode="refreshed", refresh_every=3, refresh_kl=0.5, copy=not lora),
     )
     other.attach(other_policy)
-    other.load_reference_state_dict(other_policy, state)
-    with weights.reference(policy), other.reference(other_policy):
+    other.copies.kl_reference.load_state_dict(state)
+    with weights.copies.reference(), other.copies.reference():
         assert torch.equal(policy.out(x), other_policy.out(x))
-    assert other.refreshes == 2 and other._steps_at_refresh == 4
+    assert other.copies.kl_reference.refreshes == 2 and other.copies.kl_reference.steps_at_refresh == 4
     with pytest.raises(ValueError, match="holds no moving KL reference"):
-        other.load_reference_state_dict(other_policy, {})
+        other.copies.kl_reference.load_state_dict({})
 
 
 def test_an_ema_reference_trails_the_policy_by_its_decay() -> None:
     policy = _Policy()
     weights = TrainableWeights(
-        LoraSettings(rank=2), reference_settings=ReferenceSettings(mode="ema", ema_decay=0.75)
+        WeightsSettings(lora=LoraSettings(rank=2)), reference=ReferenceSettings(mode="ema", ema_decay=0.75)
     )
     weights.attach(policy)
-    with weights.reference(policy):
+    with weights.copies.reference():
         pass  # the stored copy is made on first use, from the adapter as it starts
     start = {n: p.detach().clone().double() for n, p in _trained(weights, policy).items()}
     want = dict(start)
     for step in range(3):
         _nudge(weights, policy, 0.2 * (step + 1))
-        weights.after_update(policy, optimizer_steps=step + 1, kl=1.0)
+        _refreshed(weights, policy, optimizer_steps=step + 1, kl=1.0)
         for n, p in _trained(weights, policy).items():
             want[n] = 0.75 * want[n] + 0.25 * p.detach().double()
-    for n, ref in weights._ref_state.items():
+    for n, ref in weights.copies.kl_reference.adapter().items():
         torch.testing.assert_close(ref.double(), want[n], rtol=4 * 2**-24, atol=1e-7)
-    assert weights.refreshes == 0
+    assert weights.copies.kl_reference.refreshes == 0
 
 
 def test_reference_settings_are_refused_with_their_flag() -> None:
-    flag = "--model.init_args.reference"
+    flag = "--model.init_args.kl.reference"
 
     def said(settings: ReferenceSettings, uses_reference: bool = True) -> str:
         return "\n".join(settings.problems(uses_reference))
@@ -465,5 +481,13 @@ def test_reference_settings_are_refused_with_their_flag() -> None:
     )
     assert "only apply to" in said(ReferenceSettings("ema", refresh_every=5))
     assert f"{flag}.ema_decay (1.0) must lie in [0, 1)" in said(ReferenceSettings("ema", ema_decay=1.0))
-    assert "kl_coef > 0" in said(ReferenceSettings("ema"), uses_reference=False)
+    assert "--model.init_args.kl.coef > 0" in said(ReferenceSettings("ema"), uses_reference=False)
+    # The KL group says whether a KL to the reference is computed: β > 0, or measured at β = 0.
+    ema = ReferenceSettings("ema")
+    assert any(
+        "moves the KL reference" in p
+        for p in KLSettings(coef=0.0, reference=ema).problems(full_fine_tune=False)
+    )
+    assert not KLSettings(coef=0.0, measure=True, reference=ema).problems(full_fine_tune=False)
+    assert not KLSettings(coef=0.04, reference=ema).problems(full_fine_tune=False)
     assert said(ReferenceSettings()) == "" and said(ReferenceSettings("refreshed", refresh_kl=3e-4)) == ""

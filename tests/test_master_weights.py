@@ -1,4 +1,4 @@
-"""A full fine-tune keeps float32 master weights (``--model.init_args.master_dtype``) over a bf16 policy:
+"""A full fine-tune keeps float32 master weights (``--model.init_args.weights.master_dtype``) over a bf16 policy:
 one AdamW step moves them by what float32 AdamW arithmetic predicts, where bf16 weights lose most of
 the step; the masters resume bit for bit, and the export is written in the policy's dtype (bf16).
 
@@ -14,9 +14,18 @@ import lightning as L
 import pytest
 import torch
 
-from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
+from lit_flowgrpo import (
+    FlowGRPO,
+    FlowGRPOModule,
+    KLSettings,
+    LoraSettings,
+    PromptDataModule,
+    ReferenceSettings,
+    Sampler,
+    UpdateSettings,
+    WeightsSettings,
+)
 from lit_flowgrpo.errors import SettingsError
-from lit_flowgrpo.lora import ReferenceSettings
 from lit_flowgrpo.policies import SD3Policy
 
 EPS32 = torch.finfo(torch.float32).eps
@@ -41,10 +50,11 @@ def make_module(path: str, **settings) -> FlowGRPOModule:
     defaults = dict(
         policy=SD3Policy(path, dtype="bfloat16", max_sequence_length=16),
         reward=brightness,
-        objective=FlowGRPO(clip_range=1e-2, kl_coef=0.0),
+        objective=FlowGRPO(clip_range=1e-2),
         sampler=Sampler(num_steps=3, guidance_scale=4.5, height=32, width=32),
         update=UpdateSettings(micro_batch_size=4, optimizer_steps_per_rollout=1, max_grad_norm=None),
-        lora=None,
+        weights=WeightsSettings(lora=None),
+        kl=KLSettings(coef=0.0),
         optimizer=lambda p: RecordingAdamW(p, lr=LR, weight_decay=0.0),
     )
     defaults.update(settings)
@@ -97,7 +107,7 @@ def test_float32_masters_take_the_adamw_step_that_bf16_weights_lose(tiny_sd3_pat
     total = sum(int((g.abs() > 1e-6).sum()) for _, g in opt.before)
     assert moved == total > 1000  # every weight with a gradient moved
 
-    plain = make_module(tiny_sd3_path, master_dtype="model")
+    plain = make_module(tiny_sd3_path, weights=WeightsSettings(lora=None, master_dtype="model"))
     with pytest.warns(UserWarning, match=r"master_dtype=model: .* updates smaller than half .* are lost"):
         fit(plain, prompt_file, tmp_path / "plain")
     opt = plain.optimizers().optimizer
@@ -156,19 +166,21 @@ def test_masters_resume_bit_exactly_and_export_in_bf16(tiny_sd3_path, prompt_fil
 
 def test_settings_that_cannot_apply_fail_naming_the_flag(tiny_sd3_path, prompt_file):
     with pytest.raises(
-        SettingsError, match=r"--model.init_args.master_dtype=model with --model.init_args.lora"
+        SettingsError,
+        match=r"--model.init_args.weights.master_dtype=model with --model.init_args.weights.lora",
     ):
-        make_module(tiny_sd3_path, lora=LoraSettings(rank=2), master_dtype="model")
-    with pytest.raises(SettingsError, match=r"--model.init_args.reference.offload=true .* has none"):
-        make_module(tiny_sd3_path, lora=LoraSettings(rank=2), reference=ReferenceSettings(offload=True))
+        make_module(tiny_sd3_path, weights=WeightsSettings(lora=LoraSettings(rank=2), master_dtype="model"))
+    with pytest.raises(SettingsError, match=r"--model.init_args.kl.reference.offload=true .* has none"):
+        make_module(
+            tiny_sd3_path,
+            weights=WeightsSettings(lora=LoraSettings(rank=2)),
+            kl=KLSettings(coef=0.0, reference=ReferenceSettings(offload=True)),
+        )
     # One device: no strategy streams the copy in; refused in setup, before any weight is read.
     module = make_module(
-        tiny_sd3_path,
-        objective=FlowGRPO(clip_range=1e-2, kl_coef=0.04),
-        reference_copy=True,
-        reference=ReferenceSettings(offload=True),
+        tiny_sd3_path, kl=KLSettings(coef=0.04, reference=ReferenceSettings(copy=True, offload=True))
     )
-    refused = r"--model.init_args.reference.offload=true needs --trainer.strategy=fsdp2"
+    refused = r"--model.init_args.kl.reference.offload=true needs --trainer.strategy=fsdp2"
     with pytest.raises(SettingsError, match=refused), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fit(module, prompt_file, Path(prompt_file).parent)
@@ -183,9 +195,9 @@ def test_the_bf16_reference_copy_computes_what_the_masters_compute_before_any_up
     two networks hold the same values (masters cast from bf16) and compute alike (autocast rounds the
     masters to the reference's values), so the KL is exactly 0. (On this CPU model the reference's own
     autocast makes no difference; on GPUs autocast also runs norms and softmax in float32.)"""
-    module = make_module(tiny_sd3_path, objective=FlowGRPO(clip_range=1e-2, kl_coef=0.1), reference_copy=True)
+    module = make_module(tiny_sd3_path, kl=KLSettings(coef=0.1, reference=ReferenceSettings(copy=True)))
     trainer = fit(module, prompt_file, tmp_path)
-    assert {p.dtype for p in module.weights.reference_network.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in module.copies.kl_reference.network.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in module.policy.transformer.parameters()} == {torch.float32}
     assert float(trainer.callback_metrics["actor/kl_loss"]) == 0.0
     assert float(trainer.callback_metrics["actor/on_policy_ratio_err"]) == 0.0

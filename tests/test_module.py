@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -19,11 +20,14 @@ from lit_flowgrpo import (
     FlowGRPOModule,
     GRPOGuard,
     GRPOGuardRatioNorm,
+    KLSettings,
     LoraSettings,
     PromptDataModule,
     Sampler,
     UpdateSettings,
+    WeightsSettings,
 )
+from lit_flowgrpo.kl import ReferenceSettings
 from lit_flowgrpo.policies import SD3Policy
 
 
@@ -39,12 +43,30 @@ FP32_ON_POLICY = UpdateSettings().on_policy_tolerance(fp32=True)
 
 def make_module(path: str, reward=brightness, **overrides) -> FlowGRPOModule:
     """The tiny SD3 run; ``overrides`` replace top-level arguments, or fields of ``sampler``,
-    ``update``, ``advantage`` and the objective by name."""
+    ``update``, ``advantage`` and the objective by name, and, as short names, the weights' and the KL
+    regulariser's: ``lora``, ``master_dtype``; ``kl_coef`` (β: 0.04 unless the ``objective`` is given,
+    which then brings its own), ``kl_with_dt``, ``reference_kl`` (``kl.measure``), ``kl_gate``,
+    ``reference`` and ``reference_copy`` (``kl.reference.copy``)."""
     sampler = dict(num_steps=4, eval_num_steps=3, guidance_scale=4.5, height=32, width=32)
     update = dict(micro_batch_size=4, optimizer_steps_per_rollout=2)
     advantage: dict = {}
-    objective = dict(clip_range=1e-2, kl_coef=0.04)
+    objective = dict(clip_range=1e-2)
     objective_class = overrides.pop("objective_class", FlowGRPO)
+    kl = dict(coef=None if "objective" in overrides else 0.04)
+    for short, name in (
+        ("kl_coef", "coef"),
+        ("kl_with_dt", "with_dt"),
+        ("reference_kl", "measure"),
+        ("kl_gate", "gate"),
+    ):
+        if short in overrides:
+            kl[name] = overrides.pop(short)
+    reference = overrides.pop("reference", ReferenceSettings())
+    if "reference_copy" in overrides:
+        reference = dataclasses.replace(reference, copy=overrides.pop("reference_copy"))
+    weights = dict(lora=overrides.pop("lora", LoraSettings(rank=4, alpha=8)))
+    if "master_dtype" in overrides:
+        weights["master_dtype"] = overrides.pop("master_dtype")
     for group in (sampler, update, objective):
         for key in list(overrides):
             if key in group:
@@ -60,7 +82,8 @@ def make_module(path: str, reward=brightness, **overrides) -> FlowGRPOModule:
         sampler=Sampler(**sampler),
         update=UpdateSettings(**update),
         advantage=AdvantageSettings(**advantage),
-        lora=LoraSettings(rank=4, alpha=8),
+        weights=WeightsSettings(**weights),
+        kl=KLSettings(reference=reference, **kl),
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
     )
     settings.update(overrides)
@@ -168,7 +191,7 @@ def test_rollout_is_deterministic_and_reference_is_adapter_off(tiny_sd3_path, pr
     emb = module.policy.encode_prompts(["a", "b"])
     sigma = torch.full((2,), 0.5)
     with_lora = module.policy.velocity(x, sigma, emb, 1.0)
-    with module.weights.reference(module.policy):
+    with module.copies.reference():
         without = module.policy.velocity(x, sigma, emb, 1.0)
     again = module.policy.velocity(x, sigma, emb, 1.0)
     assert not torch.allclose(with_lora, without)
@@ -489,7 +512,7 @@ def test_full_finetune_with_frozen_reference_copy(tiny_sd3_path, prompt_file, tm
     assert all(r["actor/kl_loss"] > 0 for r in rows)  # the policy left the frozen reference
     moved = any(not torch.equal(v, initial[k]) for k, v in module.policy.transformer.named_parameters())
     assert moved, "the full fine-tune changed nothing"
-    for key, value in module.weights._frozen.named_parameters():  # the reference never trains
+    for key, value in module.copies.kl_reference.network.named_parameters():  # the reference never trains
         assert torch.equal(value, initial[key]), key
     saved = tmp_path / "full.ckpt"
     trainer.save_checkpoint(saved)

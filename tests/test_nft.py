@@ -11,6 +11,7 @@ from test_module import lora_state, make_data, make_module, make_trainer
 
 from lit_flowgrpo.algorithms import nft_loss, nft_old_policy_decay, nft_reward_probability
 from lit_flowgrpo.errors import SettingsError
+from lit_flowgrpo.kl import KLSettings
 from lit_flowgrpo.metrics import DiagnosticsSettings
 from lit_flowgrpo.objective import DiffusionNFT, FlowGRPO, Objective, VisitContext, build_objective
 
@@ -24,7 +25,8 @@ def nft_module(path: str, **overrides):
 def test_registered_with_published_defaults():
     nft = build_objective("diffusion_nft")
     assert isinstance(nft, DiffusionNFT)
-    assert (nft.beta, nft.adv_clip_max, nft.visit_fraction, nft.kl_coef) == (1.0, 5.0, 0.99, 1e-4)
+    assert (nft.beta, nft.adv_clip_max, nft.visit_fraction, nft.default_kl_coef) == (1.0, 5.0, 0.99, 1e-4)
+    assert KLSettings().resolved(nft.default_kl_coef).coef == 1e-4  # β left null takes the published one
     assert nft.schedule == (0, 1e-3, 0.5)  # the reference's decay_type 1
     assert nft.records == () and nft.old_policy
 
@@ -76,7 +78,8 @@ def test_one_step_trains_the_adapter_and_refreshes_the_old_policy(tiny_sd3_path,
 
 
 def test_visit_loss_is_nft_loss_on_the_same_tensors(tiny_sd3_path):
-    module = nft_module(tiny_sd3_path, objective=DiffusionNFT(kl_coef=0.0))
+    module = nft_module(tiny_sd3_path, kl_coef=0.0)
+    assert not module.kl.runs_reference
     module.configure_model()
     policy, nft = module.policy, module.objective
     embeds = policy.encode_prompts(["a", "b"])
@@ -86,7 +89,7 @@ def test_visit_loss_is_nft_loss_on_the_same_tensors(tiny_sd3_path):
     batch = RolloutBatch(
         traj, embeds, torch.tensor([1.5, -0.5]), torch.tensor([0, 1]), torch.ones(2, dtype=torch.bool)
     )
-    ctx = VisitContext(policy, module.copies, 1.0, seed=11)
+    ctx = VisitContext(policy, module.copies, 1.0, kl=module.kl, seed=11)
     idx = torch.tensor([0, 1])
     out = nft.visit(ctx, batch, idx, 2, 1)
     again = nft.visit(ctx, batch, idx.flip(0), 2, 1)  # a row's draws do not depend on its place
@@ -150,7 +153,7 @@ def test_full_finetune(tiny_sd3_path, prompt_file, tmp_path):
             dict(objective=DiffusionNFT(visit_fraction=0.0)),
             "objective.init_args.visit_fraction (0.0) must lie in (0, 1]",
         ),
-        (dict(objective=DiffusionNFT(), lora=None), "reference_copy=true"),
+        (dict(objective=DiffusionNFT(), lora=None), "--model.init_args.kl.reference.copy=true"),
     ],
 )
 def test_bad_settings_are_refused_before_weights_load(tiny_sd3_path, overrides, fragment):

@@ -7,6 +7,8 @@ import dataclasses
 import pytest
 import torch
 
+from lit_flowgrpo.cli_diagnosis import move_old_settings
+from lit_flowgrpo.kl import KLSettings
 from lit_flowgrpo.metrics import DiagnosticsSettings, FlowDPPOStats, PolicyRatioStats
 from lit_flowgrpo.objective import (
     FlowDPPO,
@@ -25,23 +27,26 @@ def test_settings_are_the_dataclass_fields() -> None:
         "clip_range": 1e-4,
         "clip_range_high": None,
         "adv_clip_max": 5.0,
-        "kl_coef": 0.0,
-        "kl_with_dt": False,
     }
     assert GRPOGuard().clip_range == 2e-6  # a subclass changes a default in one line
     assert GRPOGuard(1e-5).clip_range == 1e-5  # positional order unchanged
     assert [f.name for f in dataclasses.fields(GRPOGuardRatioNorm)][-1] == "target_std"
-    assert repr(FlowGRPO(kl_coef=0.5)).startswith("FlowGRPO(clip_range=0.0001, clip_range_high=None")
+    assert repr(FlowGRPO(adv_clip_max=2.0)).startswith("FlowGRPO(clip_range=0.0001, clip_range_high=None")
+    # β lives in the KL group now, not among the objective's settings.
+    assert repr(KLSettings(coef=0.5)).startswith("KLSettings(coef=0.5, with_dt=False")
+    with pytest.raises(TypeError, match="kl_coef"):
+        FlowGRPO(kl_coef=0.5)  # type: ignore[call-arg]
 
 
 def test_hparams_round_trip_through_the_class_path() -> None:
-    objective = GRPOGuardRatioNorm(clip_range=1e-3, target_std=1e-4, kl_coef=0.1)
+    objective = GRPOGuardRatioNorm(clip_range=1e-3, target_std=1e-4)
     saved = objective.hparams()
     assert saved["class_path"] == "lit_flowgrpo.objective.GRPOGuardRatioNorm"
     module, _, name = saved["class_path"].rpartition(".")
     cls = getattr(__import__(module, fromlist=[name]), name)
     assert cls(**saved["init_args"]) == objective
-    # An older checkpoint's init_args (the same keys, written by hand then) build the same objective.
+    # An older checkpoint's init_args (the keys it held then, written by hand) build the same objective
+    # once its KL settings are moved to the kl group.
     old = {
         "clip_range": 2e-6,
         "clip_range_high": None,
@@ -49,7 +54,10 @@ def test_hparams_round_trip_through_the_class_path() -> None:
         "kl_coef": 0.0,
         "kl_with_dt": False,
     }
-    assert GRPOGuard(**old) == GRPOGuard()
+    hparams = {"objective": {"class_path": "lit_flowgrpo.objective.GRPOGuard", "init_args": old}}
+    assert move_old_settings(hparams)
+    assert GRPOGuard(**hparams["objective"]["init_args"]) == GRPOGuard()
+    assert KLSettings(**hparams["kl"]) == KLSettings(coef=0.0, with_dt=False)
 
 
 def test_declarations() -> None:
@@ -57,7 +65,9 @@ def test_declarations() -> None:
     assert GRPOGuard.records == ("transitions", "means") and GRPOGuard.sde_types == ("sde",)
     assert GRPOGuardRatioNorm.records == ("transitions",)
     assert all(issubclass(c, RatioObjective) for c in (FlowGRPO, GRPOGuard, GRPOGuardRatioNorm))
-    assert not FlowGRPO().uses_reference and FlowGRPO(kl_coef=0.1).uses_reference
+    assert FlowGRPO.default_kl_coef == 0.0 and GRPOGuard.default_kl_coef == 0.0
+    assert not KLSettings().resolved(FlowGRPO.default_kl_coef).runs_reference
+    assert KLSettings(coef=0.1).resolved(FlowGRPO.default_kl_coef).runs_reference
     assert isinstance(build_objective("grpo_guard"), GRPOGuard)
 
 
@@ -80,7 +90,6 @@ def test_clip_range_high_is_resolved_once_by_the_objective() -> None:
             "--model.init_args.objective.init_args.clip_range_high (inf) must be a finite number > 0",
         ),
         (FlowGRPO(adv_clip_max=0.0), "--model.init_args.objective.init_args.adv_clip_max (0.0) must be > 0"),
-        (FlowGRPO(kl_coef=-1.0), "--model.init_args.objective.init_args.kl_coef (-1.0) must be >= 0"),
         (
             GRPOGuardRatioNorm(target_std=0.5),
             "--model.init_args.objective.init_args.target_std (0.5) must lie in (0, 0.1)",
@@ -89,6 +98,11 @@ def test_clip_range_high_is_resolved_once_by_the_objective() -> None:
 )
 def test_problems_name_the_flag_the_cli_accepts(objective, message) -> None:
     assert any(p.startswith(message) for p in objective.problems("sde")), objective.problems("sde")
+
+
+def test_a_negative_kl_coef_is_refused_with_its_flag() -> None:
+    said = KLSettings(coef=-1.0).problems(full_fine_tune=False)
+    assert any(p.startswith("--model.init_args.kl.coef (-1.0) must be >= 0") for p in said), said
 
 
 def test_clip_range_has_one_rule_for_the_objective_and_the_metric() -> None:
@@ -165,8 +179,6 @@ def test_flow_dppo_settings_and_declarations() -> None:
         "clip_range": 1e-4,
         "clip_range_high": None,
         "adv_clip_max": None,  # the references clip nothing
-        "kl_coef": 0.0,
-        "kl_with_dt": False,
         "kl_mask_threshold": 1e-5,
         "add_kl_coefficient": True,
     }
@@ -352,19 +364,23 @@ def test_cps_with_a_kl_that_can_reach_the_last_step_is_refused(
 ) -> None:
     from lit_flowgrpo.rollout import Sampler
 
-    objective = FlowGRPO(kl_coef=0.0 if measure else 0.04)
-    (problem,) = objective.sampler_problems(Sampler(sde_type="cps", **sampler), measure_reference=measure)
-    kl = "--model.init_args.diagnostics.reference_kl" if measure else "init_args.kl_coef 0.04"
+    objective = FlowGRPO()
+    kl = KLSettings(coef=0.0 if measure else 0.04, measure=measure)
+    (problem,) = objective.sampler_problems(Sampler(sde_type="cps", **sampler), kl)
+    which = "--model.init_args.kl.measure" if measure else "--model.init_args.kl.coef 0.04"
     assert problem.startswith("--model.init_args.sampler.sde_type=cps with the KL to the reference (")
-    assert kl in problem and fix in problem and "\n" not in problem
+    assert which in problem and fix in problem and "\n" not in problem
     # Any of the fixes it names is accepted; so is CPS without a KL.
     ok = Sampler(sde_type="cps", **{**sampler, "timestep_fraction": 0.99})
     if "sde_window_size" in sampler:
         ok = Sampler(sde_type="cps", **{**sampler, "sde_window_range": (0, sampler["num_steps"] - 1)})
-    assert objective.sampler_problems(ok, measure_reference=measure) == []
-    assert objective.sampler_problems(Sampler(sde_type="sde", **sampler), measure_reference=measure) == []
-    assert FlowGRPO().sampler_problems(Sampler(sde_type="cps", **sampler)) == []
-    assert GRPOGuardRatioNorm(kl_coef=0.1).sampler_problems(Sampler(sde_type="cps", **sampler)) != []
+    assert objective.sampler_problems(ok, kl) == []
+    assert objective.sampler_problems(Sampler(sde_type="sde", **sampler), kl) == []
+    off = KLSettings().resolved(FlowGRPO.default_kl_coef)
+    assert FlowGRPO().sampler_problems(Sampler(sde_type="cps", **sampler), off) == []
+    assert (
+        GRPOGuardRatioNorm().sampler_problems(Sampler(sde_type="cps", **sampler), KLSettings(coef=0.1)) != []
+    )
 
 
 def test_cps_kl_on_the_last_step_stops_the_module_before_loading(tiny_sd3_path: str) -> None:
@@ -376,6 +392,7 @@ def test_cps_kl_on_the_last_step_stops_the_module_before_loading(tiny_sd3_path: 
         FlowGRPOModule(
             policy=SD3Policy(tiny_sd3_path),
             reward=lambda images, prompts, metadata: images.mean(dim=(1, 2, 3)),
-            objective=FlowGRPO(kl_coef=0.04),
+            objective=FlowGRPO(),
+            kl=KLSettings(coef=0.04),
             sampler=Sampler(height=32, width=32, sde_type="cps", sde_window_size=2, num_steps=4),
         )

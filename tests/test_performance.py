@@ -9,15 +9,15 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from tolerances import depth, network_atol
 
 from lit_flowgrpo import FlowGRPOModule
-from lit_flowgrpo.lora import LoraSettings, TrainableWeights
 from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies import SD3Policy
+from lit_flowgrpo.weights import LoraSettings, TrainableWeights, WeightsSettings
 
 
 def adapted_policy(path: str, dtype: str, performance: PerformanceSettings) -> SD3Policy:
     policy = SD3Policy(path, dtype=dtype, max_sequence_length=16)
     policy.load()
-    TrainableWeights(LoraSettings(rank=4, alpha=8)).attach(policy)
+    TrainableWeights(WeightsSettings(lora=LoraSettings(rank=4, alpha=8))).attach(policy)
     performance.apply(policy.transformer)
     return policy
 
@@ -222,7 +222,7 @@ def test_merged_sampling_computes_the_adapted_model_and_restores_the_weights(tin
 def test_merged_sampling_needs_an_adapter(tiny_sd3_path):
     policy = SD3Policy(tiny_sd3_path, dtype="float32", max_sequence_length=16)
     policy.load()
-    TrainableWeights(None).attach(policy)
+    TrainableWeights(WeightsSettings(lora=None)).attach(policy)
     with pytest.raises(
         ValueError, match=r"--model\.init_args\.performance\.rollout_merged_lora needs a LoRA"
     ):

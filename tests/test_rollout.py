@@ -13,6 +13,7 @@ class Field:
     """A policy stand-in: a fixed, sample-dependent velocity field (no network)."""
 
     uses_cfg_batch = True
+    modality = "image"
 
     def velocity(self, x: Tensor, sigma: Tensor, embeds: dict, guidance: float) -> Tensor:
         return torch.tanh(x * embeds["scale"].view(-1, 1, 1)) + sigma.view(-1, 1, 1)
@@ -91,11 +92,13 @@ class Pixels:
     repetition, and the only parameter is there to say the device."""
 
     uses_cfg_batch = True
+    modality = "image"
 
     image_size_multiple, image_size_reason = 4, ""
 
     def __init__(self) -> None:
         self.transformer = torch.nn.Linear(1, 1)
+        self.trainable_networks = (self.transformer,)
 
     def velocity(self, x: Tensor, sigma: Tensor, embeds: dict, guidance: float) -> Tensor:
         return torch.tanh(x * embeds["scale"].view(-1, 1, 1, 1)) + sigma.view(-1, 1, 1, 1)
@@ -116,6 +119,11 @@ class Pixels:
         from lit_flowgrpo.policies.base import FlowPolicy
 
         return FlowPolicy.image_size_problems(self, height, width, flags)
+
+    def frame_problems(self, frames: int, flag: str) -> list[str]:
+        from lit_flowgrpo.policies.base import FlowPolicy
+
+        return FlowPolicy.frame_problems(self, frames, flag)  # as an image family: one frame
 
 
 def test_initial_seeds_share_the_start_and_nothing_else() -> None:
@@ -168,6 +176,7 @@ class VideoField:
     """A stand-in video policy: (B, C, F, h, w) latents, a fixed sample-dependent field."""
 
     uses_cfg_batch = True
+    modality = "image"
 
     def velocity(self, x: Tensor, sigma: Tensor, embeds: dict, guidance: float) -> Tensor:
         return torch.tanh(x * embeds["scale"].view(-1, 1, 1, 1, 1)) + sigma.view(-1, 1, 1, 1, 1)

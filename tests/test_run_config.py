@@ -37,7 +37,7 @@ def test_saved_config_keeps_none_values_without_deprecated_arguments(
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     # None-valued settings are written out, not dropped: the file is the whole resolved config.
     assert saved["model"]["init_args"]["lr_scheduler"] is None
-    assert saved["model"]["init_args"]["lora"]["target_modules"] is None
+    assert saved["model"]["init_args"]["weights"]["lora"]["target_modules"] is None
     # ... and it is the config that was parsed.
     assert saved == yaml.safe_load(cli.parser.dump(cli.config, skip_validation=True, skip_unset=False))
     assert isinstance(cli.config, Namespace)

@@ -92,7 +92,7 @@ class Recorder:
 
 def run(objective: Counting, batch: RolloutBatch, **settings) -> tuple:
     rec = Recorder()
-    ctx = VisitContext(policy=None, weights=None, guidance=1.0)  # type: ignore[arg-type]
+    ctx = VisitContext(policy=None, copies=None, guidance=1.0)  # type: ignore[arg-type]
     done = run_update(
         UpdateSettings(**settings),
         objective,
@@ -168,7 +168,7 @@ class OtherPeer(DataParallel):
 
 def _backward_sum(batch: RolloutBatch, dp: DataParallel, **settings) -> float:
     rec = Recorder()
-    ctx = VisitContext(policy=None, weights=None, guidance=1.0)  # type: ignore[arg-type]
+    ctx = VisitContext(policy=None, copies=None, guidance=1.0)  # type: ignore[arg-type]
     settings = dict(micro_batch_size=4, optimizer_steps_per_rollout=1) | settings
     run_update(
         UpdateSettings(**settings), Mean(num_visits=2), ctx, batch, rec.hooks(), rec,  # type: ignore[arg-type]
@@ -196,7 +196,7 @@ def test_each_kept_sample_weighs_alike_whatever_its_micro_batch_and_peer() -> No
     # Two optimizer steps: each step's loss is the mean over its own rows (3 and 2 of the 5 samples,
     # one micro-batch each), each step taken on its own.
     rec, objective = Recorder(), Mean(num_visits=1)
-    ctx = VisitContext(policy=None, weights=None, guidance=1.0)  # type: ignore[arg-type]
+    ctx = VisitContext(policy=None, copies=None, guidance=1.0)  # type: ignore[arg-type]
     run_update(
         UpdateSettings(micro_batch_size=4, optimizer_steps_per_rollout=2), objective, ctx, a,
         rec.hooks(), rec, dp=DataParallel(), generator=torch.Generator().manual_seed(0),  # type: ignore[arg-type]
@@ -284,7 +284,7 @@ def _walk(
 ) -> tuple[list, list[float], Recorder]:
     rec = Recorder()
     objective = StepRecording(num_visits=3, recorder=rec)
-    ctx = VisitContext(policy=None, weights=None, guidance=1.0)  # type: ignore[arg-type]
+    ctx = VisitContext(policy=None, copies=None, guidance=1.0)  # type: ignore[arg-type]
     run_update(
         settings, objective, ctx, batch, rec.hooks(), rec, dp=dp,  # type: ignore[arg-type]
         generator=torch.Generator().manual_seed(7), on_policy_tol=1e-3, forwards_per_sample=1,

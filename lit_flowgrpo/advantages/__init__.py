@@ -7,7 +7,7 @@ gathered columns.
   pass along, what a transform declares;
 - :mod:`~lit_flowgrpo.advantages.transforms`: group normalisation, GDPO, the failure budget, GARDO's
   diversity bonus, ``filter_zero``;
-- :mod:`~lit_flowgrpo.advantages.kl_gate`: GARDO's KL gate, its settings and its controller (a part with
+- :mod:`~lit_flowgrpo.advantages.kl_gate`: GARDO's KL gate (settings: :class:`~lit_flowgrpo.kl.KLGate`), its controller (a part with
   state, checkpointed).
 
 The math is the pure functions of :mod:`lit_flowgrpo.algorithms`.
@@ -20,7 +20,7 @@ from lit_flowgrpo.advantages.columns import (
     MissingColumnError,
     declared_columns,
 )
-from lit_flowgrpo.advantages.kl_gate import GatedKL, KLGate, KLGateController
+from lit_flowgrpo.advantages.kl_gate import GatedKL, KLGateController
 from lit_flowgrpo.advantages.stage import AGGREGATIONS, BUILT_IN_COLUMNS, AdvantageSettings, BatchAdvantages
 from lit_flowgrpo.advantages.transforms import (
     DiversityBonus,
@@ -46,7 +46,6 @@ __all__ = [
     "GDPONormalisation",
     "GatedKL",
     "GroupNormalisation",
-    "KLGate",
     "KLGateController",
     "MissingColumnError",
     "declared_columns",

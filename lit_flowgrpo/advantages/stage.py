@@ -4,7 +4,8 @@ transforms over every rank's gathered columns.
 The math is :func:`lit_flowgrpo.algorithms.group_advantages` (``aggregation: sum``: the weighted sum of
 the reward components, normalised within its group) or :func:`~lit_flowgrpo.algorithms.gdpo_advantages`
 (``aggregation: gdpo``: each weighted component normalised within its group, then combined and
-normalised over the batch), then GARDO's diversity bonus and KL gate when set. This stage adds what a
+normalised over the batch), then GARDO's diversity bonus, and the KL gate when the run has one
+(:class:`~lit_flowgrpo.kl.KLGate`, whose controller the module hands to :meth:`AdvantageSettings.for_batch`). This stage adds what a
 run needs around it: every rank's columns are gathered first, in one collective, so a group that spans
 ranks is normalised whole and N ranks compute what one would; unscored samples are dropped (never
 turned into a number), counted and reported; and a batch that fails too often stops the run.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import cached_property, partial
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -27,7 +28,7 @@ from lit_flowgrpo.advantages.columns import (
     Columns,
     declared_columns,
 )
-from lit_flowgrpo.advantages.kl_gate import GatedKL, KLGate, KLGateController
+from lit_flowgrpo.advantages.kl_gate import GatedKL, KLGateController
 from lit_flowgrpo.advantages.transforms import (
     DiversityBonus,
     DiversityScaling,
@@ -39,7 +40,6 @@ from lit_flowgrpo.advantages.transforms import (
 from lit_flowgrpo.distributed import DataParallel
 from lit_flowgrpo.errors import MODEL
 from lit_flowgrpo.errors import flag as flag_of
-from lit_flowgrpo.parts import Part
 from lit_flowgrpo.rewards.base import CallableReward, MultiReward, RewardOutput
 
 __all__ = ["AGGREGATIONS", "BUILT_IN_COLUMNS", "AdvantageSettings", "BatchAdvantages"]
@@ -77,8 +77,6 @@ class AdvantageSettings:
             components keep their weights); a component a whole group lacks is left out of that group,
             counted in ``reward/nan_groups/<component>``; a group no component scored is not trained on
             (``reward/unscored_groups``).
-        kl_gate: GARDO's gated KL (:class:`KLGate`): the KL penalty on the samples the trained reward
-            over-rates only; ``None`` puts it on every sample.
         diversity_bonus: GARDO's diversity-aware advantage (:class:`DiversityBonus`); ``None``: off.
     """
 
@@ -87,7 +85,6 @@ class AdvantageSettings:
     max_reward_failure_rate: float = 1.0
     max_idle_rollouts: int = 5
     aggregation: Literal["sum", "gdpo"] = "sum"
-    kl_gate: KLGate | None = None
     diversity_bonus: DiversityBonus | None = None
 
     def problems(self, flag: str = "--model.init_args.advantage", reward: Any = None) -> list[str]:
@@ -101,27 +98,15 @@ class AdvantageSettings:
             p.append(f"{flag}.aggregation ({self.aggregation!r}) must be one of {', '.join(AGGREGATIONS)}")
         elif self.aggregation == "gdpo" and reward is not None:
             p += _gdpo_reward_problems(flag, reward)
-        if self.kl_gate is not None:
-            weights = dict(reward.weights) if isinstance(reward, MultiReward) else None
-            p += self.kl_gate.problems(f"{flag}.kl_gate", weights)
         if self.diversity_bonus is not None:
             p += self.diversity_bonus.problems(f"{flag}.diversity_bonus")
         return p
 
-    def parts(self) -> list[Part]:
-        """The parts of this stage that carry state from one rollout to the next: the KL gate's
-        controller when ``kl_gate`` is set, else none. Made once per settings object, on first use, and
-        the same objects every call (the stage moves them; the module checkpoints and restores them)."""
-        return [] if self._gate_controller is None else [self._gate_controller]
-
-    @cached_property
-    def _gate_controller(self) -> KLGateController | None:
-        # Not a field: the settings stay plain values (asdict, YAML, comparison), and a copy made with
-        # dataclasses.replace gets a controller of its own.
-        return None if self.kl_gate is None else KLGateController(self.kl_gate)
-
-    def transforms(self, reward: MultiReward, components: Mapping[str, Tensor]) -> list[AdvantageTransform]:
-        """The stage's transforms in the order they run, for a batch of ``reward`` with ``components``.
+    def transforms(
+        self, reward: MultiReward, components: Mapping[str, Tensor], gate: KLGateController | None = None
+    ) -> list[AdvantageTransform]:
+        """The stage's transforms in the order they run, for a batch of ``reward`` with ``components``
+        (``gate``: the run's KL gate controller, if it has one).
 
         The normalisation first (the total's or, under ``gdpo``, each weighted component's), the failure
         budget, the diversity bonus, ``filter_zero`` (after every transform that moves an advantage),
@@ -138,8 +123,8 @@ class AdvantageSettings:
             steps.append(DiversityScaling(self.diversity_bonus.distance))
         if self.filter_zero:
             steps.append(DropZeroAdvantages())
-        if self._gate_controller is not None:
-            steps.append(GatedKL(self._gate_controller))
+        if gate is not None:
+            steps.append(GatedKL(gate))
         return steps
 
     def advantages(self, rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, float]:
@@ -166,6 +151,7 @@ class AdvantageSettings:
         reward: MultiReward,
         dp: DataParallel,
         images: Tensor | None = None,
+        gate: KLGateController | None = None,
     ) -> BatchAdvantages:
         """This rank's advantages of one rollout batch, from every rank's rewards.
 
@@ -179,13 +165,15 @@ class AdvantageSettings:
             dp: the data-parallel peers whose rewards are gathered.
             images: (B, 3, H, W) this rank's samples; read by ``diversity_bonus`` only (the
                 ``features`` column).
+            gate: the run's KL gate controller (:class:`~lit_flowgrpo.advantages.KLGateController`), which
+                weighs the KL penalty per sample and moves its gated share here.
 
         Raises:
             MissingColumnError: a transform needs a column this batch lacks (a reward component the
                 reward did not produce, or ``features`` without ``images``), before the collective.
         """
         device, batch = group_ids.device, len(group_ids)
-        steps = self.transforms(reward, rewards.components)
+        steps = self.transforms(reward, rewards.components, gate)
         local = self._local_columns(rewards, group_ids, images)
         names = declared_columns(steps, local, _HINTS)
         state = AdvantageState.start(Columns.gather(local, names, dp, device), device)
@@ -239,11 +227,11 @@ class BatchAdvantages:
     """The samples without one, over all ranks."""
     log: dict[str, float] = field(default_factory=dict)
     """Over all ranks: ``reward/failure_rate``; under ``aggregation: gdpo`` also
-    ``reward/nan_groups/<component>`` and ``reward/unscored_groups``; under ``kl_gate``
+    ``reward/nan_groups/<component>`` and ``reward/unscored_groups``; under a KL gate
     ``actor/kl_gated_fraction`` and ``actor/kl_gate_target``; under ``diversity_bonus``
     ``critic/advantages/diversity_scale_max``."""
     kl_weights: Tensor | None = None
-    """(B,) fp32: this rank's weights of the KL penalty (all 1 without ``kl_gate``); their mean over
+    """(B,) fp32: this rank's weights of the KL penalty (all 1 without a KL gate); their mean over
     every rank's trained samples is 1 where any is gated."""
     keep: Tensor | None = None
     """(B,) bool: this rank's samples the update trains: ``scored``, and a non-zero advantage under

@@ -26,12 +26,14 @@ from lit_flowgrpo.algorithms.advantages import (
 from lit_flowgrpo.algorithms.losses import (
     DPPOStats,
     PolicyStats,
+    clip_range_problems,
     flow_dppo_loss,
     flow_grpo_loss,
     gaussian_step_kl,
     grpo_guard_loss,
     kl_to_reference,
     ratio_norm_loss,
+    resolve_clip_range_high,
 )
 from lit_flowgrpo.algorithms.nft import (
     NFT_DECAY_SCHEDULES,
@@ -50,6 +52,7 @@ __all__ = [
     "NFTRewardMode",
     "NFTStats",
     "PolicyStats",
+    "clip_range_problems",
     "diversity_multipliers",
     "flow_dppo_loss",
     "flow_grpo_loss",
@@ -65,5 +68,6 @@ __all__ = [
     "nft_reward_probability",
     "nft_sample_times",
     "ratio_norm_loss",
+    "resolve_clip_range_high",
     "win_rates",
 ]

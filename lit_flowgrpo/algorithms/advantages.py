@@ -250,7 +250,7 @@ def gated_kl_weights(uncertainty: Tensor, fraction: float, trained: Tensor | Non
     β·mean_{trained}(w·KL) = β·mean of KL over the gated trained samples exactly, whatever the
     micro-batches and ranks it is split over (normalised over the whole batch instead, the effective β
     would drift with the share of gated samples dropped). GARDO's script takes that mean per
-    micro-batch instead (:class:`~lit_flowgrpo.advantages.KLGate` converts). A sample with NaN
+    micro-batch instead (:class:`~lit_flowgrpo.kl.KLGate` converts). A sample with NaN
     uncertainty (a reward missing) is gated: unjudged is not trusted. All zero when no trained sample
     is gated.
 

@@ -8,6 +8,7 @@ ranges and the KL thresholds below are in that unit.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,12 +17,14 @@ from torch import Tensor
 __all__ = [
     "DPPOStats",
     "PolicyStats",
+    "clip_range_problems",
     "flow_dppo_loss",
     "flow_grpo_loss",
     "gaussian_step_kl",
     "grpo_guard_loss",
     "kl_to_reference",
     "ratio_norm_loss",
+    "resolve_clip_range_high",
 ]
 
 
@@ -268,7 +271,7 @@ def _clipped_surrogate(
 ) -> tuple[Tensor, PolicyStats]:
     """PPO's pessimistic clipped objective (Schulman et al. 2017, Eq. 7) and its masks; ``weight``
     (N,), detached, scales each sample's term."""
-    high = clip_range if clip_range_high is None else clip_range_high
+    high = resolve_clip_range_high(clip_range, clip_range_high)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + high)
     pg_loss = torch.maximum(unclipped, clipped)  # (N,)
@@ -291,14 +294,37 @@ def _clipped_surrogate(
     return pg_loss.mean(), stats
 
 
+def clip_range_problems(clip_range: float, clip_range_high: float | None, prefix: str = "") -> list[str]:
+    """The one rule for the clip interval (1 − ε, 1 + ε_high) around 1, which the loss and the clip
+    fractions both need; ``prefix`` is the flag's path (``--model.init_args.objective.init_args.``)."""
+    p = []
+    if not (0.0 < clip_range < 1.0):
+        p.append(
+            f"{prefix}clip_range ({clip_range}) must lie in (0, 1): Flow-GRPO uses 1e-4, GRPO-Guard ~2e-6"
+        )
+    if clip_range_high is not None and not (clip_range_high > 0.0 and math.isfinite(clip_range_high)):
+        p.append(
+            f"{prefix}clip_range_high ({clip_range_high}) must be a finite number > 0, or null to use clip_range"
+        )
+    return p
+
+
+def resolve_clip_range_high(clip_range: float, clip_range_high: float | None) -> float:
+    """ε_high: ``clip_range_high``, or ``clip_range`` when that is ``None`` (a symmetric clip). The one
+    resolution: :attr:`lit_flowgrpo.objective.RatioObjective.clip_high` passes its result to the
+    losses and the metric, and a metric built alone (``clip_range_high=None``) reads it the same way."""
+    return float(clip_range if clip_range_high is None else clip_range_high)
+
+
 def _check_loss_args(
     log_prob: Tensor,
     old_log_prob: Tensor,
     advantages: Tensor,
-    clip_range: float,
+    clip_range: float | None,
     clip_range_high: float | None,
     adv_clip_max: float | None,
 ) -> None:
+    """``clip_range=None``: a loss without a ratio clip (Flow-DPPO's trust region)."""
     if log_prob.ndim != 1:
         raise ValueError(f"log_prob must be 1-D (N,), got shape {tuple(log_prob.shape)}")
     if old_log_prob.shape != log_prob.shape:
@@ -309,10 +335,9 @@ def _check_loss_args(
         raise ValueError(
             f"advantages {tuple(advantages.shape)} must have the shape of log_prob {tuple(log_prob.shape)}"
         )
-    if not clip_range >= 0:
-        raise ValueError(f"clip_range ({clip_range}) must be >= 0 (Flow-GRPO uses 1e-4)")
-    if clip_range_high is not None and not clip_range_high >= 0:
-        raise ValueError(f"clip_range_high ({clip_range_high}) must be >= 0, or None to use clip_range")
+    problems = [] if clip_range is None else clip_range_problems(clip_range, clip_range_high)
+    if problems:  # the objective's and the metric's one rule
+        raise ValueError("; ".join(problems))
     if adv_clip_max is not None and not adv_clip_max > 0:
         raise ValueError(f"adv_clip_max ({adv_clip_max}) must be > 0 (Flow-GRPO uses 5.0)")
 
@@ -437,7 +462,7 @@ def flow_dppo_loss(
     Returns:
         (scalar loss, :class:`DPPOStats`).
     """
-    _check_loss_args(log_prob, old_log_prob, advantages, 0.0, None, adv_clip_max)
+    _check_loss_args(log_prob, old_log_prob, advantages, None, None, adv_clip_max)
     n = log_prob.shape[0]
     if prev_sample_mean.shape != old_prev_sample_mean.shape or prev_sample_mean.shape[:1] != (n,):
         raise ValueError(

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from lit_flowgrpo.algorithms.losses import clip_range_problems, resolve_clip_range_high
 from lit_flowgrpo.metrics.base import DictMetric, check_vector, sum_by_id
 
 __all__ = [
@@ -26,28 +27,6 @@ __all__ = [
 _F64 = torch.float64
 # Differential entropy of N(μ, s²) per element: ½·log(2πe) + log s (Cover & Thomas, eq. 8.8).
 _HALF_LOG_2PI_E = 0.5 * math.log(2.0 * math.pi * math.e)
-
-
-def clip_range_problems(clip_range: float, clip_range_high: float | None, prefix: str = "") -> list[str]:
-    """The one rule for the clip interval (1 − ε, 1 + ε_high) around 1, which the loss and the clip
-    fractions both need; ``prefix`` is the flag's path (``--model.init_args.objective.init_args.``)."""
-    p = []
-    if not (0.0 < clip_range < 1.0):
-        p.append(
-            f"{prefix}clip_range ({clip_range}) must lie in (0, 1): Flow-GRPO uses 1e-4, GRPO-Guard ~2e-6"
-        )
-    if clip_range_high is not None and not (clip_range_high > 0.0 and math.isfinite(clip_range_high)):
-        p.append(
-            f"{prefix}clip_range_high ({clip_range_high}) must be a finite number > 0, or null to use clip_range"
-        )
-    return p
-
-
-def resolve_clip_range_high(clip_range: float, clip_range_high: float | None) -> float:
-    """ε_high: ``clip_range_high``, or ``clip_range`` when that is ``None`` (a symmetric clip). The one
-    resolution: :attr:`lit_flowgrpo.objective.RatioObjective.clip_high` passes its result to the
-    losses and the metric, and a metric built alone (``clip_range_high=None``) reads it the same way."""
-    return float(clip_range if clip_range_high is None else clip_range_high)
 
 
 # Columns of PolicyRatioStats' sum state, one row per denoising step (or a single row).
@@ -205,7 +184,7 @@ class PolicyRatioStats(DictMetric):
         """The metric that the update's diagnostics ``settings`` ask for."""
         options = dataclasses.asdict(settings)
         # What the rollout records and what the visit runs; the metric logs what it is given.
-        del options["step_kl"], options["reference_kl"]
+        del options["step_kl"]
         return cls(clip_range=clip_range, clip_range_high=clip_range_high, num_steps=num_steps, **options)
 
     def update(
@@ -565,9 +544,6 @@ class DiagnosticsSettings:
             x_next). SD3.5-M at 512 px: 16×64×64 fp32 = 256 KiB per step, 2.25 MiB per sample over
             the 9 trained steps of 10 (less with a window), 108 MiB for 48 samples on a rank.
             Off, objectives that record μ_old for their loss (GRPO-Guard, Flow-DPPO) still log it.
-        reference_kl: run the reference forward and log the KL to the reference (``actor/kl_loss``) even
-            with ``kl_coef`` 0, where the loss does not use it: the drift from the reference as a curve,
-            for one more transformer forward per visit (``timing_s/ref``).
     """
 
     by_step: bool = True
@@ -575,4 +551,3 @@ class DiagnosticsSettings:
     clip_level: Literal["step", "trajectory"] = "step"
     clip_gate: Literal["advantage", "none"] = "advantage"
     step_kl: bool = True
-    reference_kl: bool = False

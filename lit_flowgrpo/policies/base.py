@@ -245,9 +245,9 @@ class FlowPolicy(nn.Module, ABC):
     #: (``FlowGRPOModule.configure_model``, from ``performance.compute_dtype``); ``None``: each network's
     #: own dtype. :meth:`input_dtype` feeds the inputs in it.
     compute_dtype: torch.dtype | None = None
-    #: LoRA rank when ``--model.init_args.lora.rank`` is not given.
+    #: LoRA rank when ``--model.init_args.weights.lora.rank`` is not given.
     default_lora_rank: int = 32
-    #: LoRA alpha when ``--model.init_args.lora.alpha`` is not given; ``None``: twice the rank in force.
+    #: LoRA alpha when ``--model.init_args.weights.lora.alpha`` is not given; ``None``: twice the rank in force.
     default_lora_alpha: int | None = None
     #: Where the LoRA export writes the adapters of ``trainable_networks[1:]`` (the first goes to the
     #: export folder itself); one name per network after the first.

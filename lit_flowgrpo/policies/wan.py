@@ -79,7 +79,7 @@ class WanPolicy(FlowPolicy):
     default_lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     default_lora_rank: int = 32
     default_lora_alpha: int = 64
-    #: Where :meth:`~lit_flowgrpo.lora.TrainableWeights.export` writes the low-noise expert's adapter.
+    #: Where :meth:`~lit_flowgrpo.weights.TrainableWeights.export` writes the low-noise expert's adapter.
     lora_subfolders: tuple[str, ...] = ("transformer_2",)
 
     def __init__(

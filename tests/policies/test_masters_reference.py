@@ -21,7 +21,16 @@ import pytest
 import torch
 from torch import nn
 
-from lit_flowgrpo import FlowGRPO, FlowGRPOModule, PromptDataModule, Sampler, UpdateSettings
+from lit_flowgrpo import (
+    FlowGRPO,
+    FlowGRPOModule,
+    KLSettings,
+    PromptDataModule,
+    ReferenceSettings,
+    Sampler,
+    UpdateSettings,
+    WeightsSettings,
+)
 from lit_flowgrpo.policies import FluxPolicy, QwenImagePolicy
 
 FAMILIES = {"flux": FluxPolicy, "qwenimage": QwenImagePolicy}
@@ -64,11 +73,11 @@ def test_float32_masters_and_the_bf16_reference_give_a_first_kl_of_exactly_zero(
     module = FlowGRPOModule(
         policy=FAMILIES[family](path, dtype="bfloat16", max_sequence_length=16),
         reward=brightness,
-        objective=FlowGRPO(clip_range=1e-2, kl_coef=0.1),
+        objective=FlowGRPO(clip_range=1e-2),
         sampler=Sampler(num_steps=3, guidance_scale=1.0, height=32, width=32),
         update=UpdateSettings(micro_batch_size=4, optimizer_steps_per_rollout=1),
-        lora=None,
-        reference_copy=True,
+        weights=WeightsSettings(lora=None),
+        kl=KLSettings(coef=0.1, reference=ReferenceSettings(copy=True)),
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-5),
     )
     trainer = L.Trainer(
@@ -87,7 +96,7 @@ def test_float32_masters_and_the_bf16_reference_give_a_first_kl_of_exactly_zero(
         module, datamodule=PromptDataModule(train=prompt_file, prompts_per_step=2, group_size=4, seed=3)
     )
     assert {p.dtype for p in module.policy.transformer.parameters()} == {torch.float32}
-    assert torch.bfloat16 in {p.dtype for p in module.weights.reference_network.parameters()}
+    assert torch.bfloat16 in {p.dtype for p in module.copies.kl_reference.network.parameters()}
     # The one update's every KL is taken at the initial weights: the reference computes what the masters
     # compute there, bit for bit.
     assert float(trainer.callback_metrics["actor/kl_loss"]) == 0.0

@@ -7,11 +7,12 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler, WanPipeline
 from tolerances import depth, network_atol, sampling_layers
 
-from lit_flowgrpo.lora import LoraSettings, TrainableWeights
+from lit_flowgrpo.parts import AfterUpdate
 from lit_flowgrpo.policies.base import latent_shape_of
 from lit_flowgrpo.policies.wan import WanPolicy
 from lit_flowgrpo.rollout import Sampler
 from lit_flowgrpo.tiny.wan import A14B_BOUNDARY_RATIO
+from lit_flowgrpo.weights import LoraSettings, TrainableWeights, WeightsSettings
 
 PROMPTS = ["a red cat", "two blue dogs"]
 SIZE, FRAMES, STEPS, MAX_LEN = 32, 5, 4, 16
@@ -155,7 +156,7 @@ def test_the_two_experts_switch_at_the_boundary(tiny_wan_paths: dict) -> None:
 @pytest.mark.parametrize("variant", ["2.1", "a14b"])
 def test_one_lora_step_trains_only_the_adapters(tiny_wan_paths: dict, variant: str) -> None:
     policy = _load(tiny_wan_paths[variant])
-    weights = TrainableWeights(LoraSettings(rank=4, alpha=8), seed=0)
+    weights = TrainableWeights(WeightsSettings(lora=LoraSettings(rank=4, alpha=8)), seed=0)
     weights.attach(policy)
     networks = policy.trainable_networks
     assert len(networks) == (2 if variant == "a14b" else 1)
@@ -184,7 +185,7 @@ def test_one_lora_step_trains_only_the_adapters(tiny_wan_paths: dict, variant: s
     s = torch.full((2,), 0.3)
     with torch.no_grad():
         trained = policy.velocity(noise, s, embeds, 4.5)
-        with weights.reference(policy):
+        with weights.copies.reference():
             reference = policy.velocity(noise, s, embeds, 4.5)
         base = _load(tiny_wan_paths[variant]).velocity(noise, s, embeds, 4.5)
     # The adapters off compute the base layers alone: the same computation as the base model, exactly.
@@ -196,21 +197,22 @@ def test_one_lora_step_trains_only_the_adapters(tiny_wan_paths: dict, variant: s
 def test_a14b_full_fine_tune_is_refused(tiny_wan_paths: dict) -> None:
     policy = _load(tiny_wan_paths["a14b"])
     with pytest.raises(
-        ValueError, match=r"--model.init_args.lora=null.*2 networks.*set --model.init_args.lora"
+        ValueError,
+        match=r"--model.init_args.weights.lora=null.*2 networks.*set --model.init_args.weights.lora",
     ):
-        TrainableWeights(None).attach(policy)
+        TrainableWeights(WeightsSettings(lora=None)).attach(policy)
     # ... and before any weight is read, from the folder's model_index.json.
     from lit_flowgrpo.errors import SettingsError
     from lit_flowgrpo.module import FlowGRPOModule
 
     assert WanPolicy(tiny_wan_paths["a14b"]).declared_networks == 2
     assert WanPolicy(tiny_wan_paths["2.1"]).declared_networks == 1
-    with pytest.raises(SettingsError, match=r"--model.init_args.lora=null.*2 networks"):
+    with pytest.raises(SettingsError, match=r"--model.init_args.weights.lora=null.*2 networks"):
         FlowGRPOModule(
             WanPolicy(tiny_wan_paths["a14b"]),
             lambda images, prompts, metadata: images.mean(),
             sampler=Sampler(height=32, width=32, frames=5),
-            lora=None,
+            weights=WeightsSettings(lora=None),
         )
 
 
@@ -299,7 +301,7 @@ def test_flops_forward_runs_the_first_expert(tiny_wan_paths: dict) -> None:
     from lit_flowgrpo.callbacks.throughput import measure_transformer_flops
 
     policy = _load(tiny_wan_paths["a14b"])
-    TrainableWeights(LoraSettings(rank=4)).attach(policy)
+    TrainableWeights(WeightsSettings(lora=LoraSettings(rank=4))).attach(policy)
     fwd, fwd_bwd = measure_transformer_flops(policy, SIZE, SIZE, frames=FRAMES)
     one_frame, _ = measure_transformer_flops(policy, SIZE, SIZE, frames=1)
     assert fwd_bwd > fwd > one_frame > 0
@@ -310,23 +312,23 @@ def test_flops_forward_runs_the_first_expert(tiny_wan_paths: dict) -> None:
 def test_old_policy_keeps_and_restores_both_experts(tiny_wan_paths: dict) -> None:
     """DiffusionNFT's old policy over two experts: stored, swapped in and back, averaged, checkpointed."""
     policy = _load(tiny_wan_paths["a14b"])
-    weights = TrainableWeights(LoraSettings(rank=4), old_policy=True)
+    weights = TrainableWeights(WeightsSettings(lora=LoraSettings(rank=4)), old_policy=lambda steps: 0.5)
     weights.attach(policy)
-    old = weights.old_state_dict(policy)
+    old = weights.copies.old_policy.state_dict()
     assert any(k.startswith("network1.") for k in old) and any(not k.startswith("network1.") for k in old)
     trained = [p for n in policy.trainable_networks for p in n.parameters() if p.requires_grad]
     with torch.no_grad():
         for p in trained:
             p.add_(1.0)
     now = [p.detach().clone() for p in trained]
-    with weights.old(policy):
+    with weights.copies.old():
         inside = [p.detach().clone() for p in trained]
     assert all(
         torch.allclose(a, b - 1.0, atol=1e-6) for a, b in zip(inside, now, strict=True)
     )  # the old values, both experts
     assert all(torch.equal(p, b) for p, b in zip(trained, now, strict=True))  # and back
-    weights.update_old(policy, decay=0.5)
-    assert all(torch.allclose(weights.old_state_dict(policy)[k], v + 0.5) for k, v in old.items())
+    weights.copies.old_policy.after_update(AfterUpdate(policy, optimizer_steps=1, update_steps=1))  # η = 0.5
+    assert all(torch.allclose(weights.copies.old_policy.state_dict()[k], v + 0.5) for k, v in old.items())
 
 
 def test_a_reward_that_cannot_score_video_is_refused(tiny_wan_paths: dict) -> None:

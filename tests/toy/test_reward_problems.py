@@ -41,7 +41,7 @@ def test_module_setup_names_bad_prompts_before_loading(tmp_path) -> None:
     import lightning as L
     import pytest
 
-    from lit_flowgrpo import FlowGRPOModule, PromptDataModule, Sampler, UpdateSettings
+    from lit_flowgrpo import FlowGRPOModule, PromptDataModule, Sampler, UpdateSettings, WeightsSettings
     from lit_flowgrpo.toy import ToyPolicy
 
     records = world.load_prompts("train")[:8]
@@ -53,7 +53,7 @@ def test_module_setup_names_bad_prompts_before_loading(tmp_path) -> None:
         reward={"shapes/strict": 1.0},
         sampler=Sampler(num_steps=2, eval_num_steps=2, height=32, width=32),
         update=UpdateSettings(micro_batch_size=4),
-        lora=None,
+        weights=WeightsSettings(lora=None),
     )
     data = PromptDataModule(train=str(train), prompts_per_step=2, group_size=2)
     trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False)
