@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+#: The update, as FlowGRPOModule's stage clock marks it (lit_flowgrpo.step_output.StageClock).
 UPDATE_RANGE = "lit_flowgrpo.update"
 #: The profiled training step (:class:`ProfileSteps` opens it): the wall window of the ``step`` part.
 STEP_RANGE = "lit_flowgrpo.step"

@@ -45,7 +45,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
-from profiling import UPDATE_RANGE, ProfileSteps  # benchmarks/ siblings: the script's folder is on sys.path
+from profiling import ProfileSteps  # benchmarks/ siblings: the script's folder is on sys.path
 from throughput import TINY, BenchWanPolicy, tiny_spec
 from torch import Tensor, nn
 
@@ -308,11 +308,6 @@ class Recorder(FlowGRPOModule):
         super().__init__(**kwargs)
         self.out = out
         self.trained_steps_by_expert = {"transformer": 0, "transformer_2": 0}
-
-    def _update(self, *args: Any, **kwargs: Any) -> Any:
-        # Marks the update on the profiler's CPU and GPU timelines (the summary's "update" part).
-        with torch.profiler.record_function(UPDATE_RANGE):
-            return super()._update(*args, **kwargs)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         rows = [

@@ -534,3 +534,14 @@ def test_module_trains_with_a_float8_base_and_holds_on_policy(tiny_sd3_path, pro
     # fp32 on the CPU, as the plain run above: the update recomputes the rollout's log-probs
     assert row["actor/on_policy_ratio_err"] <= FP32_ON_POLICY
     assert row["actor/grad_norm"] > 0
+
+
+def test_each_stage_of_a_step_is_a_profiler_range(tiny_sd3_path, prompt_file, tmp_path):
+    # The stage clock opens lit_flowgrpo.<stage> (the update as lit_flowgrpo.update, the range the
+    # profiling benchmark summarises), so a profile shows the stages without a subclass to mark them.
+    module = make_module(tiny_sd3_path)
+    trainer = make_trainer(tmp_path, max_steps=1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        trainer.fit(module, datamodule=make_data(prompt_file))
+    names = {event.name for event in profile.events()}
+    assert {f"lit_flowgrpo.{s}" for s in ("gen", "reward", "adv", "update")} <= names
