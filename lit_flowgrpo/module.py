@@ -25,7 +25,6 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from torchmetrics import Metric
 
 from lit_flowgrpo.advantages import AdvantageSettings, KLGateController
 from lit_flowgrpo.data import PromptBatch
@@ -133,9 +132,6 @@ class FlowGRPOModule(L.LightningModule):
         self.hparams["weights"] = dataclasses.asdict(self.weights.settings)
         self.hparams["objective"] = self.objective.hparams()
 
-        self.reward_stats = RewardGroupStats()
-        self.objective_stats = self.objective.diagnostics(self.sampler.num_steps, self.diagnostics)
-        self.validation = ValidationMeans()  # val-{core,aux}/<component>/mean@1, unscored counts
         self.copies = self.weights.copies
         self.counters = Counters(("skipped_optimizer_steps", "nonfinite_losses", "dropped_samples"))
         self.kl_gate = None if self.kl.gate is None else KLGateController(self.kl.gate)
@@ -179,11 +175,11 @@ class FlowGRPOModule(L.LightningModule):
         # run (this module's, the data module's, the callbacks') takes its data-parallel view from it.
         layout = build_layout(self.trainer, self.performance.sequence_parallel, self.policy, self.sampler)
         dp = layout.data_parallel
-        # The metrics reduce over data-parallel peers only: the ranks of a sequence-parallel group hold
-        # the same samples and would count them sp times.
-        for metric in self.modules():
-            if isinstance(metric, (Metric, ValidationMeans)):  # ValidationMeans: for the ones it makes later
-                metric.process_group = dp.group
+        # The metrics, built with the data-parallel peers they reduce over: the ranks of a
+        # sequence-parallel group hold the same samples and would count them sp times.
+        self.reward_stats = RewardGroupStats(process_group=dp.group)
+        self.objective_stats = self.objective.diagnostics(self.sampler.num_steps, self.diagnostics, dp.group)
+        self.validation = ValidationMeans(dp.group)  # val-{core,aux}/<component>/mean@1, unscored counts
         problems: list[str] = []
         if dm is not None and stage == "fit" and hasattr(dm, "samples_per_step"):
             problems += self.update.batch_problems(dm.samples_per_step, dp.size)

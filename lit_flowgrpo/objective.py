@@ -141,8 +141,11 @@ class Objective:
         rest are padding that keeps every rank's backward count equal."""
         raise NotImplementedError
 
-    def diagnostics(self, num_steps: int, settings: DiagnosticsSettings) -> DictMetric:
-        """The metric that :attr:`Visit.diagnostics` updates (a :class:`~lit_flowgrpo.metrics.DictMetric`)."""
+    def diagnostics(
+        self, num_steps: int, settings: DiagnosticsSettings, process_group: Any = None
+    ) -> DictMetric:
+        """The metric that :attr:`Visit.diagnostics` updates (a :class:`~lit_flowgrpo.metrics.DictMetric`),
+        reducing over ``process_group`` (the data-parallel peers; ``None``: every rank)."""
         raise NotImplementedError
 
     def diagnostics_values(self, metric: DictMetric, optimizer_steps: int) -> dict[str, float]:
@@ -308,9 +311,15 @@ class RatioObjective(Objective):
     #: The metric :meth:`diagnostics` builds.
     diagnostics_metric: ClassVar[type[PolicyRatioStats]] = PolicyRatioStats
 
-    def diagnostics(self, num_steps: int, settings: DiagnosticsSettings) -> DictMetric:
+    def diagnostics(
+        self, num_steps: int, settings: DiagnosticsSettings, process_group: Any = None
+    ) -> DictMetric:
         return self.diagnostics_metric.from_settings(
-            settings, clip_range=self.clip_range, clip_range_high=self.clip_high, num_steps=num_steps
+            settings,
+            clip_range=self.clip_range,
+            clip_range_high=self.clip_high,
+            num_steps=num_steps,
+            process_group=process_group,
         )
 
 
@@ -675,8 +684,10 @@ class DiffusionNFT(Objective):
         delay, rate, cap = self.schedule
         return nft_old_policy_decay(optimizer_steps, delay=delay, rate=rate, cap=cap)
 
-    def diagnostics(self, num_steps: int, settings: DiagnosticsSettings) -> DictMetric:
-        return NFTDiagnostics()
+    def diagnostics(
+        self, num_steps: int, settings: DiagnosticsSettings, process_group: Any = None
+    ) -> DictMetric:
+        return NFTDiagnostics(process_group=process_group)
 
     def diagnostics_values(self, metric: DictMetric, optimizer_steps: int) -> dict[str, float]:
         values = super().diagnostics_values(metric, optimizer_steps)

@@ -68,8 +68,10 @@ class DictMetric(Metric):
     is_differentiable = False
     higher_is_better = None
 
-    def __init__(self, prefix: str) -> None:
-        super().__init__()
+    def __init__(self, prefix: str, process_group: Any = None) -> None:
+        # process_group: the ranks the states reduce over (None: every rank), given when the metric is
+        # built (torchmetrics' Metric argument), so nothing rewrites it later.
+        super().__init__(process_group=process_group)
         if not isinstance(prefix, str):
             raise ValueError(f"prefix must be a string such as 'actor/', got {prefix!r}")
         self.prefix = prefix

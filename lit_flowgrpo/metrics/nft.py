@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -40,8 +40,8 @@ class NFTDiagnostics(DictMetric):
         "old_deviation",
     )
 
-    def __init__(self, prefix: str = "actor/nft_") -> None:
-        super().__init__(prefix)
+    def __init__(self, prefix: str = "actor/nft_", process_group: Any = None) -> None:
+        super().__init__(prefix, process_group)
         for name in self.STATS:
             self.add_state(f"sum_{name}", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("count", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")

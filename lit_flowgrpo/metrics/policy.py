@@ -135,8 +135,9 @@ class PolicyRatioStats(DictMetric):
         clip_level: Literal["step", "trajectory"] = "step",
         clip_gate: Literal["advantage", "none"] = "advantage",
         prefix: str = "actor/",
+        process_group: Any = None,
     ) -> None:
-        super().__init__(prefix)
+        super().__init__(prefix, process_group)
         problems = clip_range_problems(clip_range, clip_range_high)
         if by_step and (num_steps is None or num_steps < 1):
             problems.append(f"by_step=True needs num_steps >= 1 (got {num_steps}): pass the number of steps")
@@ -180,12 +181,19 @@ class PolicyRatioStats(DictMetric):
         clip_range: float,
         clip_range_high: float | None,
         num_steps: int,
+        process_group: Any = None,
     ) -> PolicyRatioStats:
-        """The metric that the update's diagnostics ``settings`` ask for."""
+        """The metric that the update's diagnostics ``settings`` ask for, reducing over ``process_group``."""
         options = dataclasses.asdict(settings)
         # What the rollout records and what the visit runs; the metric logs what it is given.
         del options["step_kl"]
-        return cls(clip_range=clip_range, clip_range_high=clip_range_high, num_steps=num_steps, **options)
+        return cls(
+            clip_range=clip_range,
+            clip_range_high=clip_range_high,
+            num_steps=num_steps,
+            process_group=process_group,
+            **options,
+        )
 
     def update(
         self,

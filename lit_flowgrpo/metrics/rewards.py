@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -78,8 +79,9 @@ class RewardGroupStats(DictMetric):
         prefix: str = "critic/rewards/",
         advantages_prefix: str = "critic/advantages/",
         components: Sequence[str] = (),
+        process_group: Any = None,
     ) -> None:
-        super().__init__(prefix)
+        super().__init__(prefix, process_group)
         if not (tol >= 0.0 and math.isfinite(tol)):
             raise ValueError(f"tol ({tol}) must be a finite number >= 0: 0 counts only exactly equal rewards")
         if not (adv_threshold >= 0.0 and math.isfinite(adv_threshold)):
