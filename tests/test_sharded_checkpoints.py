@@ -21,7 +21,7 @@ from cli_helpers import tiny_fit_args
 
 from lit_flowgrpo.cli import FlowGRPOCLI, main
 
-KL_FLAG, KL_SAVED = "--model.init_args.objective.init_args.kl_coef", 0.04
+KL_FLAG, KL_SAVED = "--model.init_args.kl.coef", 0.04
 LR_FLAG, LR_SAVED = "--model.init_args.optimizer.init_args.lr", 3e-4
 
 
@@ -103,7 +103,7 @@ def test_changed_settings_on_resume_from_a_folder_are_refused_or_applied(
         m.setattr(FlowGRPOCLI, "instantiate_classes", _reached)
         with pytest.raises(_Reached) as reached:
             main(_fit_args(pretrained, root, ckpt))
-        assert reached.value.config.fit.model.init_args.objective.init_args.kl_coef == KL_SAVED
+        assert reached.value.config.fit.model.init_args.kl.coef == KL_SAVED
 
     # Overridden, the run resumes from the folder (`last` finds it) with the command line's value; its
     # max_steps is reached, so it restores the checkpoint and stops.
@@ -118,7 +118,7 @@ def test_changed_settings_on_resume_from_a_folder_are_refused_or_applied(
     assert f"{KL_FLAG}: command line 0.5, checkpoint {KL_SAVED}" in proc.stderr
     assert "Restored all states from the checkpoint" in proc.stderr + proc.stdout
     saved = yaml.safe_load((root / "lightning_logs" / "version_1" / "config.yaml").read_text())
-    assert saved["model"]["init_args"]["objective"]["init_args"]["kl_coef"] == 0.5
+    assert saved["model"]["init_args"]["kl"]["coef"] == 0.5
     assert saved["ckpt_path"] == str(sharded_run["ckpt"])
 
 
