@@ -16,9 +16,10 @@ and only run in the rollout: they stay replicated.
 A LoRA run's frozen base may stay replicated instead (``frozen_weights``): then only the adapter is
 sharded, the whole transformer as one unit. Sharding a small base buys little memory and costs, in
 every forward of the rollout and the update, a gather and a reshard per block, whose host-side launches
-left the GPUs idle (SD3.5-M LoRA on 4 GPUs: 85.9% of DDP's images/GPU/s, ``docs/scaling.md``). One unit
+left the GPUs idle (SD3.5-M LoRA on 4 H200s: 85.9% of DDP's images/GPU/s, ``docs/scaling.md``). One unit
 of adapter weights is gathered once per forward, and FSDP2 keeps its root unit gathered after a forward,
-so the rollout's no-grad forwards gather nothing after the first. ``"auto"`` replicates the base when
+so the rollout's no-grad forwards gather nothing after the first: 99.4% and 98.6% of DDP on 4 H200s,
+at DDP's memory (``benchmarks/results/scaling_frozen_weights_4xH200.json``). ``"auto"`` replicates the base when
 it takes at most a quarter of the GPU's memory (SD3.5-M's 4.9 GB; not FLUX.1's 24 GB on an 80 GB card).
 
 Dtypes, LoRA: FSDP2 all-gathers each parameter in its own dtype, so the frozen base stays in the policy's

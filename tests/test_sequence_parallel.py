@@ -210,10 +210,11 @@ def check_equal(reference: Path, run: Path, ranks: int, reward_atol: float) -> N
 # slow: three runs of two processes and one in-process run, each two rollouts (about a minute on 2 cores)
 @pytest.mark.slow
 def test_two_ranks_splitting_each_sample_equal_one_process(tiny_wan, prompt_file, tmp_path):
-    """sp = 2, dp = 1, under DDP and under FSDP2 with activation checkpointing
-    (their meshes compose: FSDP2 shards over all ranks, diffusers' attention exchanges within the
-    (dp, ring, ulysses) mesh; the recomputed blocks run their all-to-alls again in the backward): the
-    same rollouts, rewards, advantages, metrics and, after two SGD steps, LoRA weights as one process."""
+    """sp = 2, dp = 1, under DDP, under FSDP2 with activation checkpointing (their meshes compose:
+    FSDP2 shards over all ranks, diffusers' attention exchanges within the (dp, ring, ulysses) mesh;
+    the recomputed blocks run their all-to-alls again in the backward), and under FSDP2 with the
+    frozen base replicated (what ``frozen_weights="auto"`` gives a small LoRA run on GPUs): the same
+    rollouts, rewards, advantages, metrics and, after two SGD steps, LoRA weights as one process."""
     config = dict(pipeline=tiny_wan, prompts=prompt_file, sp=2)
     procs = [
         torchrun(dict(config, strategy="ddp"), tmp_path, "ddp_sp2", 2),
@@ -223,11 +224,12 @@ def test_two_ranks_splitting_each_sample_equal_one_process(tiny_wan, prompt_file
             "fsdp2_sp2",
             2,
         ),
+        torchrun(dict(config, strategy=dict(frozen_weights="replicate")), tmp_path, "replicated_sp2", 2),
     ]
     sp_worker.run(dict(config, sp=1, out=str(tmp_path / "single")))
     for proc in procs:
         finish(proc)
-    for name in ("ddp_sp2", "fsdp2_sp2"):
+    for name in ("ddp_sp2", "fsdp2_sp2", "replicated_sp2"):
         check_equal(tmp_path / "single", tmp_path / name, ranks=2, reward_atol=reward_atol(tiny_wan))
 
 
