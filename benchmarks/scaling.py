@@ -434,8 +434,7 @@ def run(args: argparse.Namespace) -> None:
         ),
         performance=PerformanceSettings(
             attention_backend=args.attention_backend,
-            # under fsdp2 the strategy's flag (the same lever) turns it on
-            activation_checkpointing=args.activation_checkpointing and args.strategy != "fsdp2",
+            activation_checkpointing=args.activation_checkpointing,  # the one flag, under every strategy
             compile_blocks=args.compile_blocks,
             compile_backend=args.compile_backend,
             sequence_parallel=args.sequence_parallel,
@@ -453,8 +452,7 @@ def run(args: argparse.Namespace) -> None:
     strategy: Any = {"single": "auto", "ddp": "ddp"}.get(args.strategy)
     if args.strategy == "fsdp2":
         strategy = FSDP2Strategy(
-            activation_checkpointing=args.activation_checkpointing,
-            reshard_after_forward=args.reshard_after_forward,
+            reshard_after_forward=args.reshard_after_forward, frozen_weights=args.frozen_weights
         )
     clock = StepClock()
     callbacks: list[Callback] = [RLThroughputMonitor(measure_flops=not args.no_flop_count), clock]
@@ -534,6 +532,7 @@ def run(args: argparse.Namespace) -> None:
         sequence_parallel=args.sequence_parallel,
         activation_checkpointing=args.activation_checkpointing,
         reshard_after_forward=args.reshard_after_forward if args.strategy == "fsdp2" else None,
+        frozen_weights=strategy.frozen_weights if args.strategy == "fsdp2" else None,
         compile_blocks=args.compile_blocks,
         compile_backend=args.compile_backend if args.compile_blocks else None,
         attention_backend=args.attention_backend,
@@ -661,6 +660,7 @@ def summarise(root: Path, name: str, reference: str | None) -> dict[str, Any] | 
         "sequence_parallel": info.get("sequence_parallel", 1),
         "activation_checkpointing": info["activation_checkpointing"],
         "reshard_after_forward": info.get("reshard_after_forward"),
+        "frozen_weights": info.get("frozen_weights"),
         "compile_blocks": info.get("compile_blocks", False),
         "attention_backend": info.get("attention_backend", "auto"),
         # A step whose gradient was not finite is skipped (the weights stay): a run that trains has none.
@@ -894,6 +894,8 @@ def problems(args: argparse.Namespace) -> list[str]:
         )
     if args.per_gpu * args.global_ranks % 8:
         p.append("--per_gpu × --global_ranks must be a multiple of the group size 8")
+    if args.frozen_weights != "auto" and args.strategy != "fsdp2":
+        p.append(f"--frozen_weights {args.frozen_weights} is an fsdp2 setting: use it with --strategy fsdp2")
     if not args.reshard_after_forward and args.strategy != "fsdp2":
         p.append("--reshard_after_forward false is an fsdp2 setting: use it with --strategy fsdp2")
     if args.profile and not 1 <= args.profile_steps <= args.rollouts:
@@ -972,6 +974,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "memory (FSDP2's CPUOffloadPolicy)",
     )
     p.add_argument("--activation_checkpointing", action="store_true")
+    p.add_argument(
+        "--frozen_weights",
+        choices=("auto", "shard", "replicate"),
+        default="auto",
+        help="fsdp2: the frozen base sharded per block or replicated on every GPU (FSDP2Strategy.frozen_weights)",
+    )
     p.add_argument(
         "--reshard_after_forward",
         type=_bool,
