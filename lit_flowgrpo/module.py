@@ -67,7 +67,7 @@ class FlowGRPOModule(L.LightningModule):
             registered rewards, or (from Python) any callable
             ``(images, prompts, metadata) -> Tensor (B,) | dict[str, Tensor]``.
         objective: the loss (``class_path`` of an :class:`~lit_flowgrpo.objective.Objective`:
-            ``FlowGRPO`` or ``GRPOGuard``, with their clip and KL settings); ``None``: ``FlowGRPO()``.
+            ``FlowGRPO``, ``GRPOGuard``, ``FlowDPPO``, ``DiffusionNFT``); ``None``: ``FlowGRPO()``.
         sampler: how rollouts and validation samples are drawn.
         advantage: from rewards to advantages.
         update: how the update walks each rollout batch.
