@@ -127,8 +127,9 @@ class FlowGRPOModule(L.LightningModule):
         self.save_hyperparameters(ignore=["policy", "reward", "objective", "optimizer", "lr_scheduler"])
         # Plain types only in checkpoints (they load with torch.load(weights_only=True)), in the form
         # the CLI parses back.
-        for name in ("sampler", "advantage", "update", "diagnostics", "performance", "kl"):
+        for name in ("sampler", "advantage", "update", "diagnostics", "performance"):
             self.hparams[name] = dataclasses.asdict(getattr(self, name))
+        self.hparams["kl"] = dataclasses.asdict(kl)  # as given (coef null stays null), as a resume parses it
         self.hparams["weights"] = dataclasses.asdict(self.weights.settings)
         self.hparams["objective"] = self.objective.hparams()
 
@@ -150,15 +151,13 @@ class FlowGRPOModule(L.LightningModule):
     def _problems(self) -> list[str]:
         """Every settings problem, each naming its flag, found before any weight is read."""
         p = self.sampler.problems() + self.advantage.problems(reward=self.reward) + self.update.problems()
-        p += self.performance.problems(
-            full_fine_tune=self.weights.lora is None,
-            masked_prompts=self.policy.masked_prompts,
-        )
+        full = self.weights.lora is None  # a full fine-tune
+        p += self.performance.problems(full_fine_tune=full, masked_prompts=self.policy.masked_prompts)
         p += self.objective.problems(self.sampler.sde_type)
         p += self.objective.sampler_problems(self.sampler, self.kl)
         p += self.weights.settings.problems(self.policy.declared_networks)
         weights = dict(self.reward.weights) if isinstance(self.reward, MultiReward) else None
-        p += self.kl.problems(full_fine_tune=self.weights.lora is None, reward_weights=weights)
+        p += self.kl.problems(full_fine_tune=full, reward_weights=weights)
         p += self.policy.problems() + self.sampler.image_size_problems(self.policy)
         p += self.reward.settings_problems() + reward_modality_problems(self.policy, self.reward)
         if self.sampler.guidance_scale > 1 and not self.update.train_cfg:

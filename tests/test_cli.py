@@ -723,3 +723,21 @@ def test_a_null_two_levels_inside_the_module_reaches_the_parser_as_a_mapping() -
         "--data.init_args.val=null",
         "--model.init_args.lora=null",
     ]
+
+
+def test_a_run_that_leaves_beta_to_the_objective_resumes(tiny_sd3_path: str, tmp_path: Path) -> None:
+    # kl.coef null takes the objective's published β (Flow-GRPO: 0). The checkpoint keeps the setting
+    # as given, so the resume's command line (null again) is not refused as a change to 0.0.
+    args = ("--model.init_args.kl.coef=null",)
+    first = FlowGRPOCLI(args=_fit_args(tiny_sd3_path, tmp_path, *args))
+    assert first.model.kl.coef == 0.0 and first.trainer.global_step == 2
+    assert (
+        torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["hyper_parameters"]["kl"][
+            "coef"
+        ]
+        is None
+    )
+    resumed = FlowGRPOCLI(
+        args=_fit_args(tiny_sd3_path, tmp_path, *args, "--trainer.max_steps=4", "--ckpt_path=last")
+    )
+    assert resumed.trainer.global_step == 4 and resumed.model.kl.coef == 0.0
