@@ -100,17 +100,16 @@ class Reference(_Copy):
     """The policy the KL penalty holds the trained one to, and how it moves (:class:`ReferenceSettings`).
 
     Args:
-        settings: which reference, and its schedule.
+        settings: which reference, its schedule, and whether a full fine-tune keeps a frozen copy of
+            the initial transformer (``copy``).
         lora: the trained weights are a LoRA adapter (else the whole transformer).
-        keep_copy: a full fine-tune keeps a frozen copy of the initial transformer (``kl.reference.copy``).
     """
 
     key = "reference"
 
-    def __init__(self, settings: ReferenceSettings, lora: bool, keep_copy: bool) -> None:
+    def __init__(self, settings: ReferenceSettings, lora: bool) -> None:
         super().__init__(lora)
         self.settings = settings
-        self.keep_copy = keep_copy
         self.steps_at_refresh = 0
         self.refreshes = 0
 
@@ -252,11 +251,11 @@ class Copies:
         network = self.kl_reference.network
         return [network] if network is not None and self.kl_reference.settings.offload else []
 
-    def reference(self, policy: Any = None) -> AbstractContextManager[None]:
+    def reference(self) -> AbstractContextManager[None]:
         """Inside, the policy computes with the KL reference's weights."""
         return self.kl_reference.context()
 
-    def old(self, policy: Any = None) -> AbstractContextManager[None]:
+    def old(self) -> AbstractContextManager[None]:
         """Inside, the policy computes with the old policy's weights (no gradient reaches them). LoRA
         swaps the stored adapter in place: enter it before the θ forward of a visit."""
         if self.old_policy is None:
@@ -265,7 +264,7 @@ class Copies:
             )
         return self.old_policy.computing()
 
-    def sampling(self, policy: Any = None) -> AbstractContextManager[None]:
+    def sampling(self) -> AbstractContextManager[None]:
         """The weights the rollout samples with: the old policy where there is one, else the trained ones."""
         return nullcontext() if self.old_policy is None else self.old_policy.computing()
 

@@ -143,7 +143,7 @@ class TrainableWeights:
         self.peft_config: Any = None
         trains_lora = self.lora is not None
         self.copies = Copies(
-            Reference(self.reference_settings, trains_lora, keep_copy=self.reference_settings.copy),
+            Reference(self.reference_settings, trains_lora),
             None if old_policy is None else OldPolicy(trains_lora, old_policy),
         )
 
