@@ -1,9 +1,11 @@
-"""Every command in the README runs as written from a fresh clone.
+"""Every command in the README and the documentation pages runs as written from a fresh clone.
 
 The test command is the one CI runs; each ``lit-flowgrpo`` command parses through the CLI (its config
-and every flag, ``--print_config``); every module or script a command names exists; and the commands
-that fit a CPU in a test's time run as written, in the order the README gives them, in a folder that
-holds only what a clone holds (``slow``). Install lines are not run (no network here).
+and every flag, ``--print_config``), launched alone or under ``torchrun`` / ``srun``; every module or
+script a command names exists; and the commands that fit a CPU in a test's time run as written, in the
+order the pages give them, in a folder that holds only what a clone holds (``slow``). Install lines are
+not run (no network here). The other code blocks (Python, YAML, JSON) and the site's own build are
+``tests/test_docs.py``'s.
 """
 
 from __future__ import annotations
@@ -18,29 +20,46 @@ import pytest
 from lit_flowgrpo.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-# Placeholders the README asks the reader to fill in, and what this test fills in.
-PLACEHOLDERS = {"runs/X/<name>/version_0/config.yaml": "configs/tiny_sd3.yaml", "=S ": "=0 "}
+README = REPO / "README.md"
+# The README first, then every page of the documentation site, in a fixed order.
+PAGES = [README, *sorted((REPO / "docs").rglob("*.md"))]
+# Placeholders the pages ask the reader to fill in, and what this test fills in.
+PLACEHOLDERS = {
+    "runs/X/<name>/version_0/config.yaml": "configs/tiny_sd3.yaml",
+    "--config run.yaml": "--config configs/tiny_sd3.yaml",
+}
+SEED = re.compile(r"=S(?=\s|$)")  # a seed the reader picks: --seed_everything=S
 SETUP = ("python3 -m venv", ". .venv/bin/activate", "pip install", "pytest")
+# Launchers that start `lit-flowgrpo` on every rank: the rest of the line is the CLI's.
+LAUNCHERS = ("torchrun", "srun")
 
 
-def _bash_blocks() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    return re.findall(r"```bash\n(.*?)\n```", text, flags=re.S)
+def _bash_blocks(page: Path = README) -> list[str]:
+    return re.findall(r"```bash\n(.*?)\n```", page.read_text(), flags=re.S)
 
 
 def _commands() -> list[str]:
-    """Every command of every bash block: continuation lines joined, comments dropped, ``&&`` split,
-    setup steps (venv, installs, the test run) left out, placeholders filled in."""
-    commands = []
-    for block in _bash_blocks():
-        for line in block.replace("\\\n", " ").splitlines():
-            for command in line.split("#", 1)[0].split("&&"):
-                command = " ".join(command.split())
-                if command and not command.startswith(SETUP):
-                    for placeholder, value in PLACEHOLDERS.items():
-                        command = command.replace(placeholder, value)
-                    commands.append(command)
-    return commands
+    """Every command of every bash block of every page, once, in page order: continuation lines
+    joined, comments dropped, ``&&`` split, setup steps (venv, installs, the test run) left out,
+    placeholders filled in."""
+    commands: dict[str, None] = {}
+    for page in PAGES:
+        for block in _bash_blocks(page):
+            for line in block.replace("\\\n", " ").splitlines():
+                for command in line.split("#", 1)[0].split("&&"):
+                    command = " ".join(command.split())
+                    if command and not command.startswith(SETUP):
+                        for placeholder, value in PLACEHOLDERS.items():
+                            command = command.replace(placeholder, value)
+                        commands[SEED.sub("=0", command)] = None
+    return list(commands)
+
+
+def _cli_words(words: list[str]) -> list[str]:
+    """The CLI's arguments of a command line: after ``lit-flowgrpo`` (or a launcher's
+    ``$(which lit-flowgrpo)``)."""
+    at = next(i for i, word in enumerate(words) if "lit-flowgrpo" in word)
+    return words[at + 1 :]
 
 
 def test_ci_runs_the_readme_test_command():
@@ -56,11 +75,13 @@ def test_main_job_config_exists():
     assert (REPO / config).is_file()
 
 
-def test_every_readme_command_parses(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_every_documented_command_parses(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     monkeypatch.chdir(REPO)
     commands = _commands()
     kinds = {c.split()[0] for c in commands}
-    assert kinds == {"lit-flowgrpo", "python"}, kinds  # a new kind of command needs a check here
+    # A new kind of command needs a check here.
+    assert kinds <= {"lit-flowgrpo", "python", "bash", "mkdocs", *LAUNCHERS}, kinds
+    assert {"lit-flowgrpo", "python", "mkdocs"} <= kinds, kinds
     for command in commands:
         words = shlex.split(command)
         if words[0] == "python":  # a module of the package or a script of the repo
@@ -68,9 +89,24 @@ def test_every_readme_command_parses(monkeypatch: pytest.MonkeyPatch, capsys: py
             path = REPO / (target.replace(".", "/") + ".py" if words[1] == "-m" else target)
             assert path.is_file(), command
             continue
+        if words[0] == "bash":  # a script of the repo
+            assert (REPO / words[1]).is_file(), command
+            continue
+        if words[0] == "mkdocs":  # the site's build: tests/test_docs.py runs it
+            assert words[1:] == ["build", "--strict"] and (REPO / "mkdocs.yml").is_file(), command
+            continue
         with pytest.raises(SystemExit) as stop:
-            main([*words[1:], "--print_config"])
+            main([*_cli_words(words), "--print_config"])
         assert stop.value.code in (0, None), f"{command}\n{capsys.readouterr().err[-2000:]}"
+
+
+def test_the_readme_keeps_its_two_commands_first() -> None:
+    """The README opens with the main job and the test command, each a block of its own."""
+    run, test = _bash_blocks()[:2]
+    assert run.endswith("lit-flowgrpo fit --config configs/quickstart.yaml"), run
+    assert test.endswith("pytest -q && pytest -q -m slow"), test
+    text = README.read_text()
+    assert text.index(run) < text.index(test) < text.index("\n## ")
 
 
 def _clone(tmp_path: Path) -> Path:
@@ -124,7 +160,7 @@ def test_the_quickstart_smoke_command_runs(tmp_path: Path, monkeypatch: pytest.M
     (smoke,) = [
         c
         for c in _commands()
-        if c.startswith("lit-flowgrpo fit --config configs/quickstart.yaml --trainer.max_steps")
+        if c.startswith("lit-flowgrpo fit --config configs/quickstart.yaml --trainer.max_steps=1 ")
     ]
     # Run in a short form, as the other README commands are: a quarter of the rollout (2 prompts x 8,
     # one micro-batch of 16); every flag of the command as written is kept and parsed.
