@@ -388,7 +388,8 @@ class GRPOGuardRatioNorm(RatioObjective):
     Args:
         clip_range: ε on r̂ (the Flow-GRPO unit: 1e-4 on SD3.5, 1e-3 on the shapes world).
         target_std: the spread r̂ keeps at most; ``None``: ``clip_range / 2``.
-        (others as :class:`RatioObjective`)
+
+    The other settings are :class:`RatioObjective`'s.
     """
 
     name: ClassVar[str] = "grpo_guard_ratio_norm"
@@ -445,8 +446,9 @@ class FlowDPPO(RatioObjective):
         adv_clip_max: ``None`` (the default, as both references): the advantages weigh the loss as
             they come; a number clips them to ±that, as Flow-GRPO's 5.0 does. Unclipped, one success
             in a group of 64 (|A| ≈ 7 with the group's std) keeps its full weight.
-        (the KL regulariser as :class:`RatioObjective`: the β·KL to the reference is added to
-        the loss as for the others; the published runs use β = 0)
+
+    The KL regulariser is as for :class:`RatioObjective`: the β·KL to the reference is added to the
+    loss as for the others; the published runs use β = 0.
     """
 
     name: ClassVar[str] = "flow_dppo"
