@@ -22,6 +22,7 @@ import collections.abc
 import datetime
 import html
 import importlib
+import json
 import re
 import types
 import typing
@@ -33,7 +34,9 @@ from mkdocs.exceptions import PluginError
 DIRECTIVE = re.compile(r"^\[\[config (?P<target>[\w.]+) (?P<flag>--[\w.]+)\]\]$", flags=re.M)
 ANY_DIRECTIVE = re.compile(r"^\[\[config\b", flags=re.M)
 # A Sphinx role as Python docstrings write it; in Markdown ``x`` is already a code span.
-ROLE = re.compile(r":(?:class|meth|func|attr|data|mod|obj|exc|const):`(?P<tilde>~?)(?P<target>[\w.]+)(?:\(\))?`")
+ROLE = re.compile(
+    r":(?:class|meth|func|attr|data|mod|obj|exc|const):`(?P<tilde>~?)(?P<target>[\w.]+)(?:\(\))?`"
+)
 # The same role after Markdown has rendered the docstring: ``:class:<code>~a.b.C</code>``.
 ROLE_HTML = re.compile(
     r":(?:class|meth|func|attr|data|mod|obj|exc|const):<code>(?P<tilde>~?)(?P<target>[\w.]+)(?:\(\))?</code>"
@@ -51,8 +54,8 @@ def import_target(path: str) -> Any:
 
 def settings_rows(cls: type) -> list[dict[str, Any]]:
     """One dict per argument of ``cls``'s constructor as jsonargparse parses it: ``key`` (dotted, relative
-    to the class), ``type``, ``default`` (``required`` when there is none), ``help`` and ``group`` (the
-    settings class of an argument that is a group of its own, else ``None``)."""
+    to the class), ``type``, ``default``, ``required``, ``help`` and ``group`` (the settings class of an
+    argument that is a group of its own, else ``None``)."""
     from jsonargparse import ArgumentParser
 
     parser = ArgumentParser()
@@ -75,7 +78,8 @@ def settings_rows(cls: type) -> list[dict[str, Any]]:
                     {
                         "key": key,
                         "type": None,
-                        "default": "(its own settings)",
+                        "default": None,
+                        "required": False,
                         "help": groups[key].title or "",
                         "group": _group_class(cls, key),
                     }
@@ -87,7 +91,8 @@ def settings_rows(cls: type) -> list[dict[str, Any]]:
             {
                 "key": key,
                 "type": hint,
-                "default": "required" if required else action.default,
+                "default": action.default,
+                "required": required,
                 "help": action.help or "",
                 "group": None,
             }
@@ -133,16 +138,37 @@ def type_text(hint: Any) -> str:
     return str(hint).replace("typing.", "")
 
 
-def default_text(value: Any) -> str:
-    """A default as YAML writes it (``null``, ``true``, ``{rank: null}``)."""
-    if isinstance(value, str) and value in ("required", "(its own settings)"):
-        return value
+def default_text(value: Any, limit: int = 60) -> str:
+    """A default as YAML writes it (``null``, ``true``, ``{rank: null}``), on one line, cut at ``limit``
+    characters (the API reference has the whole signature)."""
     if isinstance(value, datetime.timedelta):
-        return str(value)
-    if value is None or isinstance(value, (bool, int, float, str, list, tuple, dict)):
+        text = str(value)
+    elif isinstance(value, str):
+        if re.fullmatch(r"[\w.+-]+", value):
+            text = value
+        elif "\n" in value:
+            text = json.dumps(value, ensure_ascii=False)
+        else:  # YAML's single-quoted form: a regex reads as written
+            text = "'" + value.replace("'", "''") + "'"
+    elif value is None or isinstance(value, (bool, int, float, list, tuple, dict)):
         plain = list(value) if isinstance(value, tuple) else value
-        return yaml.safe_dump(plain, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
-    return repr(value)
+        text = (
+            yaml.safe_dump(plain, default_flow_style=True, width=10_000, sort_keys=False)
+            .strip()
+            .removesuffix("...")
+            .strip()
+        )
+    else:
+        text = repr(value)
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def code(text: str) -> str:
+    """``text`` as a Markdown code span, whatever backticks it holds."""
+    fence = "``" if "`" in text else "`"
+    pad = " " if fence == "``" else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
 
 
 def roles_to_markdown(text: str) -> str:
@@ -180,16 +206,18 @@ def table(cls: type, flag: str, anchors: dict[type, str]) -> str:
         "| key | type | default | meaning |",
         "| --- | --- | --- | --- |",
     ]
-    for row in settings_rows(cls):
+    rows = settings_rows(cls)
+    if not rows:
+        return "\n".join(lines[:3]) + " none.\n"
+    for row in rows:
         group = row["group"]
-        if group is not None:
-            kind = f"[`{group.__name__}`](#{anchors[group]})" if group in anchors else f"`{group.__name__}`"
-            meaning = roles_to_markdown(row["help"]) + (" (table below)" if group in anchors else "")
+        if group is not None:  # a settings group of its own: its table has the keys and defaults
+            kind = f"[`{group.__name__}`](#{anchors[group]})" if group in anchors else code(group.__name__)
+            default = f"[its table](#{anchors[group]})" if group in anchors else "its own settings"
         else:
-            kind = f"`{type_text(row['type'])}`"
-            meaning = roles_to_markdown(row["help"])
-        default = default_text(row["default"])
-        lines.append(f"| `{flag}.{row['key']}` | {kind} | `{default}` | {meaning} |")
+            kind = code(type_text(row["type"]))
+            default = "required" if row["required"] else code(default_text(row["default"]))
+        lines.append(f"| `{flag}.{row['key']}` | {kind} | {default} | {roles_to_markdown(row['help'])} |")
     return "\n".join(lines) + "\n"
 
 
