@@ -256,3 +256,12 @@ def test_every_flag_the_pages_name_is_a_setting() -> None:
                 continue
             wrong.append(f"{page.relative_to(REPO)}: {flag}")
     assert not wrong, "flags that are no setting:\n" + "\n".join(wrong)
+
+
+def test_every_registered_reward_is_on_the_rewards_page() -> None:
+    import lit_flowgrpo.rewards
+    import lit_flowgrpo.toy  # registers the shapes world's rewards
+
+    page = (DOCS / "rewards.md").read_text()
+    missing = [name for name in lit_flowgrpo.rewards.available_rewards() if f"`{name}`" not in page]
+    assert not missing, f"registered rewards that docs/rewards.md does not name: {missing}"
