@@ -34,12 +34,14 @@ from mkdocs.exceptions import PluginError
 DIRECTIVE = re.compile(r"^\[\[config (?P<target>[\w.]+) (?P<flag>--[\w.]+)\]\]$", flags=re.M)
 ANY_DIRECTIVE = re.compile(r"^\[\[config\b", flags=re.M)
 # A Sphinx role as Python docstrings write it; in Markdown ``x`` is already a code span.
+_ROLES = r":(?:class|meth|func|attr|data|mod|obj|exc|const):"
 ROLE = re.compile(
-    r":(?:class|meth|func|attr|data|mod|obj|exc|const):`(?P<tilde>~?)(?P<target>[\w.]+)(?:\(\))?`"
+    _ROLES + r"`(?:(?P<title>[^`<]+?) <(?P<titled>[\w.]+)>|(?P<tilde>~?)(?P<target>[\w.]+)(?:\(\))?)`"
 )
 # The same role after Markdown has rendered the docstring: ``:class:<code>~a.b.C</code>``.
 ROLE_HTML = re.compile(
-    r":(?:class|meth|func|attr|data|mod|obj|exc|const):<code>(?P<tilde>~?)(?P<target>[\w.]+)(?:\(\))?</code>"
+    _ROLES
+    + r"<code>(?:(?P<title>[^<&]+?) &lt;(?P<titled>[\w.]+)&gt;|(?P<tilde>~?)(?P<target>[\w.]+)(?:\(\))?)</code>"
 )
 
 
@@ -186,6 +188,9 @@ def escape_pipes(text: str) -> str:
 
 
 def _short(match: re.Match) -> str:
+    """What a role shows: its explicit title, the last name after ``~``, else the whole target."""
+    if match["titled"]:
+        return match["title"]
     target = match["target"]
     return target.rpartition(".")[2] if match["tilde"] else target
 
@@ -239,7 +244,7 @@ def on_page_content(html_text: str, page: Any, config: Any, files: Any) -> str:
     """Docstrings' roles, rendered by mkdocstrings as ``:class:<code>…</code>``, as links or code."""
 
     def link(match: re.Match) -> str:
-        target = match["target"]
+        target = match["titled"] or match["target"]
         title = f"<code>{_short(match)}</code>"
         return _autoref(target, title) if "." in target else title
 
