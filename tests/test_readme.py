@@ -75,7 +75,9 @@ def test_main_job_config_exists():
     assert (REPO / config).is_file()
 
 
-def test_every_documented_command_parses(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_every_documented_command_parses(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     monkeypatch.chdir(REPO)
     commands = _commands()
     kinds = {c.split()[0] for c in commands}
