@@ -50,6 +50,9 @@ class ToyShapesDataset(IterableDataset):
         family_weights: relative weight of each family (``tag``); records of a family absent from
             the mapping are never drawn. ``None`` draws records uniformly.
         rank: this process's rank (set by the data module), so ranks see different scenes.
+        flip_prob: probability that a scene is mirrored left to right with its caption unchanged.
+        swap_colors_prob: probability that the colours a caption binds to two objects are drawn the
+            other way round (the caption unchanged).
     """
 
     def __init__(
@@ -58,19 +61,48 @@ class ToyShapesDataset(IterableDataset):
         seed: int = 0,
         family_weights: Mapping[str, float] | None = None,
         rank: int = 0,
+        flip_prob: float = 0.0,
+        swap_colors_prob: float = 0.0,
     ) -> None:
         self.records = list(records)
         self.seed = seed
         self.rank = rank
         self.probs = _record_probs(self.records, family_weights)
+        self.flip_prob = flip_prob
+        self.swap_colors_prob = swap_colors_prob
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         rng = stream_rng(self.seed, self.rank)
         while True:
             record = self.records[rng.choice(len(self.records), p=self.probs)]
-            image = world.render(world.sample_scene(record, rng))  # (H, W, 3) uint8
+            scene = world.sample_scene(record, rng)
+            # Each draw only where its probability is set, so a clean stream stays what it was.
+            if self.swap_colors_prob and rng.random() < self.swap_colors_prob:
+                scene = swap_bound_colors(record, scene)
+            image = world.render(scene)  # (H, W, 3) uint8
+            if self.flip_prob and rng.random() < self.flip_prob:
+                image = image[:, ::-1]
             pixels = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).float() / 127.5 - 1.0
             yield {"pixels": pixels, "prompt": record["prompt"]}
+
+
+def swap_bound_colors(record: Mapping[str, Any], scene: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The scene with the colours of the record's two coloured entries exchanged.
+
+    ``scene`` lists the objects in the record's ``include`` order, ``count`` per entry (as
+    :func:`world.sample_scene` draws them). Records with fewer than two coloured entries come back
+    unchanged: there is no binding to get wrong.
+    """
+    coloured = [i for i, entry in enumerate(record["include"]) if "color" in entry]
+    if len(coloured) < 2:
+        return scene
+    a, b = coloured[:2]
+    swap = {record["include"][a]["color"]: record["include"][b]["color"]}
+    swap[record["include"][b]["color"]] = record["include"][a]["color"]
+    entry_of = [i for i, entry in enumerate(record["include"]) for _ in range(int(entry["count"]))]
+    return [
+        obj | {"color": swap[obj["color"]]} if entry_of[k] in (a, b) else obj for k, obj in enumerate(scene)
+    ]
 
 
 def stream_rng(seed: int, rank: int) -> np.random.Generator:
@@ -142,6 +174,15 @@ class ToyShapesDataModule(RenderedDataModule):
         seed: seed of the scene stream.
         family_weights: relative weight per family (``tag``) of the train list; ``None`` draws
             prompts uniformly.
+        flip_prob: mirror this fraction of the scenes left to right, captions unchanged (the
+            random flip augmentation of diffusers' text-to-image training scripts). "Left of" and
+            "right of" then hold only ``1 - flip_prob`` of the time in what the model sees.
+        swap_colors_prob: draw this fraction of the scenes whose caption binds colours to two
+            objects with those colours exchanged, captions unchanged (a caption that names the right
+            colours and shapes but binds them wrongly).
+
+    The two noise settings make the pretraining data lossy the ways web captions are (the
+    shipped config says why); both are off by default.
     """
 
     def __init__(
@@ -150,15 +191,30 @@ class ToyShapesDataModule(RenderedDataModule):
         num_workers: int = 0,
         seed: int = 0,
         family_weights: dict[str, float] | None = None,
+        flip_prob: float = 0.0,
+        swap_colors_prob: float = 0.0,
     ) -> None:
         super().__init__(batch_size, num_workers, seed)
+        for name, value in (("flip_prob", flip_prob), ("swap_colors_prob", swap_colors_prob)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"--data.init_args.{name} ({value}) must be a probability in [0, 1]")
         self.family_weights = family_weights
+        self.flip_prob = flip_prob
+        self.swap_colors_prob = swap_colors_prob
         self.records = world.load_prompts("train")
         _record_probs(self.records, family_weights)  # fail at construction, before any model is built
 
     def train_dataloader(self) -> DataLoader:
         rank = self.trainer.global_rank if self.trainer is not None else 0
-        return self._loader(ToyShapesDataset(self.records, self.seed, self.family_weights, rank=rank))
+        dataset = ToyShapesDataset(
+            self.records,
+            self.seed,
+            self.family_weights,
+            rank=rank,
+            flip_prob=self.flip_prob,
+            swap_colors_prob=self.swap_colors_prob,
+        )
+        return self._loader(dataset)
 
 
 class ToyPretrainModule(pl.LightningModule):

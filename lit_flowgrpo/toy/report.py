@@ -55,6 +55,10 @@ class HeldOutReport(L.Callback):
             as ``EarlyStopping`` uses it). Off: the last line says the tuned model was not evaluated.
         proxy: a reward component (``name`` or ``name/component``) to report beside ``component``,
             with the gap between them (see the module docstring); ``None``: none.
+        group_by: a field of the validation records (the data module's ``val_records``) to split
+            ``component`` by, each group logged as ``val-aux/<component>/<group>/mean@1`` and the
+            groups' base -> tuned values printed at the end (``tag``: the shapes world's prompt
+            families); ``None``: no split.
     """
 
     def __init__(
@@ -65,6 +69,7 @@ class HeldOutReport(L.Callback):
         filename: str = "base_vs_tuned.png",
         evaluate_after_training: bool = True,
         proxy: str | None = None,
+        group_by: str | None = "tag",
     ) -> None:
         if proxy is not None and proxy == component:
             raise ValueError(
@@ -72,6 +77,9 @@ class HeldOutReport(L.Callback):
             )
         self.component = component
         self.proxy = proxy
+        self.group_by = group_by
+        self.group_history: list[tuple[int, dict[str, float]]] = []
+        """(rollouts done, {group: value}) per evaluation, when ``group_by`` is set."""
         self.label = label
         self.num_images = num_images
         self.filename = filename
@@ -177,16 +185,21 @@ class HeldOutReport(L.Callback):
             extra = {self.gap_key: gap}
             if not self.proxy_history or n != self.proxy_history[-1][0]:
                 self.proxy_history.append((n, means[self.proxy], gap))
+        groups = self._group_means(trainer, values)
+        if groups and (not self.group_history or n != self.group_history[-1][0]):
+            self.group_history.append((n, groups))
+        extra |= {f"val-aux/{self.component}/{g}/mean@1": v for g, v in groups.items()}
         if self._first is None and n == 0:
             self._first = images
             if trainer.sanity_checking:  # Lightning drops what is logged during the sanity check
                 self._log_base(trainer, means, extra)
         if extra and not trainer.sanity_checking:
-            pl_module.log(self.gap_key, gap, on_step=False, on_epoch=True)
+            for key, logged in extra.items():
+                pl_module.log(key, logged, on_step=False, on_epoch=True)
         self._last = images
         when = "of the base model" if n == 0 else f"after {n} rollout{'s' if n != 1 else ''}"
         line = f"{self.label} {when}: {value:.3f}"
-        if extra:
+        if gap is not None and self.proxy in means:
             line += f"; {self.proxy}: {means[self.proxy]:.3f} (gap {gap:+.3f})"
         self._say(line, trainer)
 
@@ -210,6 +223,26 @@ class HeldOutReport(L.Callback):
         dense[1].index_add_(0, ids, finite.double())
         dense = trainer.strategy.reduce(dense.to(pl_module.device), reduce_op="sum").cpu()
         return torch.where(dense[1] > 0, dense[0] / dense[1].clamp(min=1), torch.nan)
+
+    def _group_means(self, trainer: L.Trainer, values: torch.Tensor | None) -> dict[str, float]:
+        """``component``'s mean per value of the records' ``group_by`` field, over every rank.
+
+        Sample id ``i`` is record ``i % len(records)`` (the prompt data module's order); empty without
+        per-sample values, records, or the field.
+        """
+        records = getattr(trainer.datamodule, "val_records", None) if trainer.datamodule else None
+        if self.group_by is None or values is None or not records:
+            return {}
+        labels = [r.get(self.group_by) for r in records]
+        if any(label is None for label in labels):
+            return {}
+        sums: dict[str, list[float]] = {}
+        for i, value in enumerate(values.tolist()):
+            if value == value:  # not NaN: scored
+                total = sums.setdefault(str(labels[i % len(labels)]), [0.0, 0])
+                total[0] += value
+                total[1] += 1
+        return {g: t[0] / t[1] for g, t in sorted(sums.items())}
 
     def paired_gain(self) -> tuple[float, float, int] | None:
         """(mean tuned − base, its standard error, samples) over the samples scored in both the base
@@ -256,6 +289,12 @@ class HeldOutReport(L.Callback):
                 f"{proxy[0][2]:+.3f} -> {proxy[-1][2]:+.3f} (the base model -> after {self.rollouts} rollouts)",
                 flush=True,
             )
+        groups = self.group_history
+        if len(groups) > 1 and groups[0][0] == 0 and groups[-1][0] == self.rollouts:
+            parts = [
+                f"{g} {groups[0][1][g]:.2f} -> {v:.2f}" for g, v in groups[-1][1].items() if g in groups[0][1]
+            ]
+            print(f"by {self.group_by} (the base model -> after {self.rollouts} rollouts): " + ", ".join(parts))
         tuned = self.history[-1] if self.history and self.history[-1][0] == self.rollouts > 0 else None
         if tuned is None or self._first is None or self._last is None or not len(self._first.images):
             return
@@ -318,6 +357,7 @@ class HeldOutReport(L.Callback):
             "base_values": self.base_values,
             "rollouts": self.rollouts,
             "proxy_history": list(self.proxy_history),
+            "group_history": list(self.group_history),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -331,6 +371,7 @@ class HeldOutReport(L.Callback):
         self.base_values = state_dict.get("base_values")
         self.rollouts = int(state_dict.get("rollouts", 0))
         self.proxy_history = [tuple(x) for x in state_dict.get("proxy_history", [])]
+        self.group_history = [(int(n), dict(g)) for n, g in state_dict.get("group_history", [])]
         self._session_start = self.rollouts  # the rollouts done before this session
 
 
