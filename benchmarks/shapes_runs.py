@@ -39,31 +39,35 @@ LR = "--model.init_args.optimizer.init_args.lr="
 NFT = "--model.init_args.objective.init_args."
 
 # label -> (config, overrides). Every plan evaluates the same held-out metric: 250 held-out prompts x
-# --val_seeds seeds (4: 1000 samples) at 10 ODE steps and guidance 3.
+# --val_seeds seeds (4: 1000 samples) at 10 ODE steps. The plans up to "hacking" ran before 2026-11-28
+# on the base shipped then (git history: the 500-step toy_base.safetensors) at guidance 3, when
+# configs/quickstart.yaml was Flow-GRPO (now quickstart_flowgrpo.yaml) and DiffusionNFT's quickstart
+# was quickstart_nft.yaml (now quickstart.yaml, with lr 3e-5 and a CFG-free evaluation): they name
+# today's files, so they run on today's base and settings. "room" is the round that chose today's.
 PLANS: dict[str, dict[str, tuple[str, list[str]]]] = {
     "objectives": {
-        "flow_grpo": ("configs/quickstart.yaml", []),
+        "flow_grpo": ("configs/quickstart_flowgrpo.yaml", []),
         "grpo_guard": ("configs/quickstart_guard.yaml", []),
         "flow_dppo": ("configs/quickstart_dppo.yaml", []),
-        "diffusion_nft": ("configs/quickstart_nft.yaml", []),
+        "diffusion_nft": ("configs/quickstart.yaml", []),
     },
     # Levers for learning within 15 minutes of a 2-core CPU: a larger step, fewer update visits, smaller
     # rollouts. Each changes one or two settings of the quickstart's objective configs.
     "levers": {
-        "flow_grpo_lr3e-5": ("configs/quickstart.yaml", [LR + "3e-5"]),
+        "flow_grpo_lr3e-5": ("configs/quickstart_flowgrpo.yaml", [LR + "3e-5"]),
         "flow_grpo_lr3e-5_p4": (
-            "configs/quickstart.yaml",
+            "configs/quickstart_flowgrpo.yaml",
             [LR + "3e-5", "--data.init_args.prompts_per_step=4"],
         ),
         "grpo_guard_lr3e-5": ("configs/quickstart_guard.yaml", [LR + "3e-5"]),
         "flow_dppo_lr3e-5": ("configs/quickstart_dppo.yaml", [LR + "3e-5"]),
-        "nft_lr5e-6": ("configs/quickstart_nft.yaml", [LR + "5e-6"]),
-        "nft_lr3e-5": ("configs/quickstart_nft.yaml", [LR + "3e-5"]),
-        "nft_tf0.3": ("configs/quickstart_nft.yaml", [NFT + "visit_fraction=0.3"]),
-        "nft_lr3e-5_tf0.3": ("configs/quickstart_nft.yaml", [LR + "3e-5", NFT + "visit_fraction=0.3"]),
+        "nft_lr5e-6": ("configs/quickstart.yaml", [LR + "5e-6"]),
+        "nft_lr3e-5": ("configs/quickstart.yaml", [LR + "3e-5"]),
+        "nft_tf0.3": ("configs/quickstart.yaml", [NFT + "visit_fraction=0.3"]),
+        "nft_lr3e-5_tf0.3": ("configs/quickstart.yaml", [LR + "3e-5", NFT + "visit_fraction=0.3"]),
         # DiffusionNFT's claim is a better CFG-free model: the held-out metric at guidance 1 (its base is lower)
         "nft_eval_cfg1": (
-            "configs/quickstart_nft.yaml",
+            "configs/quickstart.yaml",
             ["--model.init_args.sampler.eval_guidance_scale=1.0"],
         ),
     },
@@ -72,25 +76,46 @@ PLANS: dict[str, dict[str, tuple[str, list[str]]]] = {
 SAMPLER = "--model.init_args.sampler."
 # Second round of levers, around the first round's best (the quickstart's lr; larger ones overshoot).
 PLANS["levers2"] = {
-    "flow_grpo_lr2e-5": ("configs/quickstart.yaml", [LR + "2e-5"]),
-    "flow_grpo_noise1.0": ("configs/quickstart.yaml", [SAMPLER + "noise_level=1.0"]),
+    "flow_grpo_lr2e-5": ("configs/quickstart_flowgrpo.yaml", [LR + "2e-5"]),
+    "flow_grpo_noise1.0": ("configs/quickstart_flowgrpo.yaml", [SAMPLER + "noise_level=1.0"]),
     "flow_grpo_strict_only": (
-        "configs/quickstart.yaml",
+        "configs/quickstart_flowgrpo.yaml",
         ['--model.init_args.reward.init_args.weights={"shapes/strict": 1.0}'],
     ),
     "flow_grpo_g16p4": (
-        "configs/quickstart.yaml",
+        "configs/quickstart_flowgrpo.yaml",
         ["--data.init_args.group_size=16", "--data.init_args.prompts_per_step=4"],
     ),
     "flow_grpo_window10": (
-        "configs/quickstart.yaml",
+        "configs/quickstart_flowgrpo.yaml",
         [SAMPLER + "sde_window_size=10", SAMPLER + "sde_window_range=[0,10]"],
     ),
-    "flow_grpo_window2": ("configs/quickstart.yaml", [SAMPLER + "sde_window_size=2"]),
+    "flow_grpo_window2": ("configs/quickstart_flowgrpo.yaml", [SAMPLER + "sde_window_size=2"]),
     "grpo_guard_noise1.0": ("configs/quickstart_guard.yaml", [SAMPLER + "noise_level=1.0"]),
-    "nft_lr5e-6_tf0.3": ("configs/quickstart_nft.yaml", [LR + "5e-6", NFT + "visit_fraction=0.3"]),
-    "nft_lr1e-5": ("configs/quickstart_nft.yaml", [LR + "1e-5"]),
-    "nft_lr5e-6_beta0.1": ("configs/quickstart_nft.yaml", [LR + "5e-6", NFT + "beta=0.1"]),
+    "nft_lr5e-6_tf0.3": ("configs/quickstart.yaml", [LR + "5e-6", NFT + "visit_fraction=0.3"]),
+    "nft_lr1e-5": ("configs/quickstart.yaml", [LR + "1e-5"]),
+    "nft_lr5e-6_beta0.1": ("configs/quickstart.yaml", [LR + "5e-6", NFT + "beta=0.1"]),
+}
+
+# Room to learn (2026-11-28): on the 1000-step base, DiffusionNFT's levers for learning per CPU-minute,
+# each from configs/quickstart.yaml's objective with the former lr 1.5e-5 unless it names its own; the
+# main job's settings are "nft_lr3e-5". Run side by side on one H200, 3 seeds of the chosen ones:
+# benchmarks/results/shapes_room_to_learn_H200.json.
+_NFT_KL0 = ["--model.init_args.kl.coef=0.0", "--model.init_args.kl.reference.copy=false"]
+_NFT_CHEAP = [NFT + "visit_fraction=0.3", *_NFT_KL0, "--model.init_args.advantage.filter_zero=true"]
+PLANS["room"] = {
+    "nft_lr1.5e-5": ("configs/quickstart.yaml", [LR + "1.5e-5"]),
+    "nft_lr3e-5": ("configs/quickstart.yaml", [LR + "3e-5"]),
+    "nft_vf0.3": ("configs/quickstart.yaml", [LR + "1.5e-5", NFT + "visit_fraction=0.3"]),
+    "nft_vf0.5": ("configs/quickstart.yaml", [LR + "1.5e-5", NFT + "visit_fraction=0.5"]),
+    "nft_lr3e-5_vf0.5": ("configs/quickstart.yaml", [LR + "3e-5", NFT + "visit_fraction=0.5"]),
+    "nft_kl0": ("configs/quickstart.yaml", [LR + "1.5e-5", *_NFT_KL0]),
+    "nft_filter_zero": ("configs/quickstart.yaml", [LR + "1.5e-5", "--model.init_args.advantage.filter_zero=true"]),
+    "nft_cheap": ("configs/quickstart.yaml", [LR + "1.5e-5", *_NFT_CHEAP]),
+    "nft_cheap_lr5e-5": ("configs/quickstart.yaml", [LR + "5e-5", *_NFT_CHEAP]),
+    "flow_grpo": ("configs/quickstart_flowgrpo.yaml", []),
+    "grpo_guard": ("configs/quickstart_guard.yaml", []),
+    "flow_dppo": ("configs/quickstart_dppo.yaml", []),
 }
 
 # Reward hacking: trained on the gameable colour proxy, judged by the strict verifier (gold).
