@@ -110,7 +110,10 @@ PLANS["room"] = {
     "nft_vf0.5": ("configs/quickstart.yaml", [LR + "1.5e-5", NFT + "visit_fraction=0.5"]),
     "nft_lr3e-5_vf0.5": ("configs/quickstart.yaml", [LR + "3e-5", NFT + "visit_fraction=0.5"]),
     "nft_kl0": ("configs/quickstart.yaml", [LR + "1.5e-5", *_NFT_KL0]),
-    "nft_filter_zero": ("configs/quickstart.yaml", [LR + "1.5e-5", "--model.init_args.advantage.filter_zero=true"]),
+    "nft_filter_zero": (
+        "configs/quickstart.yaml",
+        [LR + "1.5e-5", "--model.init_args.advantage.filter_zero=true"],
+    ),
     "nft_cheap": ("configs/quickstart.yaml", [LR + "1.5e-5", *_NFT_CHEAP]),
     "nft_cheap_lr5e-5": ("configs/quickstart.yaml", [LR + "5e-5", *_NFT_CHEAP]),
     "flow_grpo": ("configs/quickstart_flowgrpo.yaml", []),

@@ -557,7 +557,7 @@ def test_nft_timestep_fraction_is_refused_with_its_new_name(
     from cli_helpers import load_shipped
 
     _forbid_instantiation(monkeypatch)
-    config = load_shipped("quickstart_nft")
+    config = load_shipped("quickstart")  # DiffusionNFT
     objective = config["model"]["init_args"]["objective"]["init_args"]
     flags = []
     if where == "yaml":

@@ -199,14 +199,15 @@ def test_nft_diagnostics_live_beside_the_other_metrics():
     assert isinstance(DiffusionNFT().diagnostics(3, DiagnosticsSettings()), NFTDiagnostics)
 
 
-def test_quickstart_nft_runs_shortened(tmp_path):
-    """configs/quickstart_nft.yaml through the CLI on the shapes world: one short rollout and update."""
+def test_the_main_job_runs_shortened(tmp_path):
+    """configs/quickstart.yaml (DiffusionNFT) through the CLI on the shapes world: one short rollout and
+    update."""
     import yaml
     from cli_helpers import load_shipped
 
     from lit_flowgrpo.cli import FlowGRPOCLI
 
-    cfg = load_shipped("quickstart_nft")
+    cfg = load_shipped("quickstart")
     trainer = cfg["trainer"]
     trainer.update(max_steps=1, default_root_dir=str(tmp_path), num_sanity_val_steps=0, limit_val_batches=1)
     trainer["logger"]["init_args"]["save_dir"] = str(tmp_path)
@@ -218,7 +219,7 @@ def test_quickstart_nft_runs_shortened(tmp_path):
     model = cfg["model"]["init_args"]
     model["update"]["micro_batch_size"] = 8
     model["sampler"].update(num_steps=3, eval_num_steps=2)
-    path = tmp_path / "quickstart_nft.yaml"
+    path = tmp_path / "quickstart.yaml"
     path.write_text(yaml.safe_dump(cfg))
     cli = FlowGRPOCLI(args=["fit", "--config", str(path)])
     assert cli.trainer.global_step == 1

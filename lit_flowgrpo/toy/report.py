@@ -294,7 +294,9 @@ class HeldOutReport(L.Callback):
             parts = [
                 f"{g} {groups[0][1][g]:.2f} -> {v:.2f}" for g, v in groups[-1][1].items() if g in groups[0][1]
             ]
-            print(f"by {self.group_by} (the base model -> after {self.rollouts} rollouts): " + ", ".join(parts))
+            n = self.rollouts
+            after = f"after {n} rollout{'s' if n != 1 else ''}"
+            print(f"by {self.group_by} (the base model -> {after}): " + ", ".join(parts), flush=True)
         tuned = self.history[-1] if self.history and self.history[-1][0] == self.rollouts > 0 else None
         if tuned is None or self._first is None or self._last is None or not len(self._first.images):
             return

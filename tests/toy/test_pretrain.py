@@ -14,7 +14,12 @@ from lit_flowgrpo.cli import main as cli_main
 from lit_flowgrpo.toy import world
 from lit_flowgrpo.toy.model import ToyModelConfig, predict_velocity, read_checkpoint_metadata
 from lit_flowgrpo.toy.policy import ToyPolicy
-from lit_flowgrpo.toy.pretrain import ToyPretrainModule, ToyShapesDataModule, ToyShapesDataset
+from lit_flowgrpo.toy.pretrain import (
+    ToyPretrainModule,
+    ToyShapesDataModule,
+    ToyShapesDataset,
+    swap_bound_colors,
+)
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "toy_pretrain.yaml")
 TINY = ToyModelConfig(
@@ -51,6 +56,36 @@ def test_pixels_are_the_world_render() -> None:
     rng.choice(1, p=[1.0])  # the stream draws the record index first
     expected = world.render(world.sample_scene(record, rng)).astype(np.float32) / 127.5 - 1.0
     np.testing.assert_array_equal(item["pixels"].permute(1, 2, 0).numpy(), expected)  # the same fp32 ops
+
+
+def test_data_noise_mirrors_scenes_and_swaps_bound_colours() -> None:
+    """flip_prob mirrors the rendered scene, swap_colors_prob exchanges the colours a caption binds; the
+    caption stays. The first item of a stream is drawn from the same generator state either way."""
+    record = world.make_record("color_attr", [("circle", 1, "red"), ("square", 1, "green")])
+    plain = _take(ToyShapesDataset([record], seed=5), 1)[0]
+    flipped = _take(ToyShapesDataset([record], seed=5, flip_prob=1.0), 1)[0]
+    assert flipped["prompt"] == plain["prompt"] == "a red circle and a green square"
+    assert torch.equal(flipped["pixels"], plain["pixels"].flip(-1))
+
+    swapped = _take(ToyShapesDataset([record], seed=5, swap_colors_prob=1.0), 1)[0]
+    rng = np.random.default_rng([5, 0, 0])
+    rng.choice(1, p=[1.0])
+    scene = world.sample_scene(record, rng)
+    assert [(o["shape"], o["color"]) for o in scene] == [("circle", "red"), ("square", "green")]
+    exchanged = swap_bound_colors(record, scene)
+    assert [(o["shape"], o["color"]) for o in exchanged] == [("circle", "green"), ("square", "red")]
+    assert [o["center"] for o in exchanged] == [o["center"] for o in scene]
+    expected = world.render(exchanged).astype(np.float32) / 127.5 - 1.0
+    np.testing.assert_array_equal(swapped["pixels"].permute(1, 2, 0).numpy(), expected)
+    assert swapped["prompt"] == record["prompt"]
+
+    # Nothing to swap with fewer than two coloured entries: counting has one, two_object none.
+    counting = world.make_record("counting", [("triangle", 2, "blue")])
+    scene = world.sample_scene(counting, np.random.default_rng(0))
+    assert swap_bound_colors(counting, scene) == scene
+    for name in ("flip_prob", "swap_colors_prob"):
+        with pytest.raises(ValueError, match=rf"--data\.init_args\.{name} \(1\.5\) must be a probability"):
+            ToyShapesDataModule(**{name: 1.5})
 
 
 def test_family_weights() -> None:

@@ -22,7 +22,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["quickstart.yaml", "quickstart_guard.yaml", "quickstart_dppo.yaml"])
+@pytest.mark.parametrize(
+    "config", ["quickstart.yaml", "quickstart_flowgrpo.yaml", "quickstart_guard.yaml", "quickstart_dppo.yaml"]
+)
 def test_shortened_quickstart(config, tmp_path, capsys):
     # As short as the assertions allow: one rollout batch of one small group set between the two
     # validations, each of 8 held-out prompts in one batch (8: their strict and partial means differ).
@@ -77,6 +79,14 @@ def test_shortened_quickstart(config, tmp_path, capsys):
     (tuned,) = [r for r in rows if r.get("val-aux/shapes/strict/unscored_count")]
     _check_validation(cli, tuned)
     assert (metrics.parent / "base_vs_tuned.png").is_file()
+    # The split by prompt family (HeldOutReport's group_by: "tag"): each family's mean over its own
+    # samples, so the families weighted by their sample counts give back the overall accuracy.
+    tags = [r["tag"] for r in cli.datamodule.val_records]
+    keys = {t: f"val-aux/shapes/strict/{t}/mean@1" for t in tags}
+    last = [r for r in rows if all(r.get(k) for k in keys.values())][-1]  # the tuned model's
+    weighted = sum(tags.count(t) * float(last[k]) for t, k in keys.items()) / len(tags)
+    assert weighted == pytest.approx(strict[-1][1], abs=1e-6)
+    assert re.search(r"by tag \(the base model -> after 1 rollout\): ", out), out[-2000:]
 
 
 def _check_validation(cli: FlowGRPOCLI, row: dict[str, str]) -> None:

@@ -7,7 +7,7 @@ import csv
 import math
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning as L
 import pytest
@@ -167,6 +167,55 @@ def test_the_gain_is_a_paired_difference_with_its_standard_error(tmp_path: Path)
     assert resumed.last_line.endswith(
         "0.000 -> 0.000 (+0.000 ± 0.000, 4 paired samples; the base model -> after 4 rollouts)"
     )
+
+
+class _Records(L.LightningDataModule):
+    """The loaders of ``fit`` plus the ``val_records`` a prompt data module holds (sample id i is
+    record i % 4)."""
+
+    val_records: ClassVar[list[dict[str, str]]] = [{"tag": "a"}, {"tag": "b"}, {"tag": "a"}, {"tag": "b"}]
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(torch.zeros(100), batch_size=1)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(torch.zeros(1), batch_size=1)
+
+
+def test_the_accuracy_is_split_by_the_records_field(tmp_path: Path, capsys) -> None:
+    report = HeldOutReport()
+    trainer = L.Trainer(
+        max_steps=3,
+        max_epochs=-1,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=-1,
+        limit_val_batches=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[report],
+        default_root_dir=str(tmp_path),
+    )
+    trainer.fit(PairedLearner(), datamodule=_Records())
+    # PairedLearner: after g rollouts the sample at position i passes when i·g is odd, and positions
+    # carry ids 3 − i: after 3 rollouts ids 2 and 0 pass, both tagged a (tags a, b, a, b by id).
+    assert report.group_history == [
+        (0, {"a": 0.0, "b": 0.0}),
+        (2, {"a": 0.0, "b": 0.0}),
+        (3, {"a": 1.0, "b": 0.0}),
+    ]
+    assert (
+        "by tag (the base model -> after 3 rollouts): a 0.00 -> 1.00, b 0.00 -> 0.00"
+        in capsys.readouterr().out
+    )
+    assert trainer.callback_metrics["val-aux/shapes/strict/a/mean@1"] == pytest.approx(1.0)
+    assert HeldOutReport(group_by=None)._group_means(trainer, torch.zeros(4)) == {}
+    # the split travels with the rest of the report's state
+    resumed = HeldOutReport()
+    resumed.load_state_dict(report.state_dict())
+    assert resumed.group_history == report.group_history
 
 
 def test_a_run_ending_on_a_validation_is_evaluated_once(tmp_path: Path) -> None:
