@@ -259,9 +259,13 @@ def test_every_flag_the_pages_name_is_a_setting() -> None:
 
 
 def test_every_registered_reward_is_on_the_rewards_page() -> None:
-    import lit_flowgrpo.rewards
-    import lit_flowgrpo.toy  # registers the shapes world's rewards
-
+    # What the package itself registers, read in a fresh interpreter: other tests register rewards of
+    # their own into this process's registry.
+    code = (
+        "import json, lit_flowgrpo.rewards, lit_flowgrpo.toy; "  # toy: the shapes world's rewards
+        "print(json.dumps(lit_flowgrpo.rewards.available_rewards()))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     page = (DOCS / "rewards.md").read_text()
-    missing = [name for name in lit_flowgrpo.rewards.available_rewards() if f"`{name}`" not in page]
+    missing = [name for name in json.loads(out.splitlines()[-1]) if f"`{name}`" not in page]
     assert not missing, f"registered rewards that docs/rewards.md does not name: {missing}"
