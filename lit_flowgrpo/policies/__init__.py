@@ -5,9 +5,21 @@ The toy world's policy is a plugin: ``lit_flowgrpo.toy.ToyPolicy``.
 
 from lit_flowgrpo.policies.base import FlowPolicy
 from lit_flowgrpo.policies.flux import FluxPolicy
+from lit_flowgrpo.policies.flux2 import Flux2DevPolicy, Flux2KleinPolicy
 from lit_flowgrpo.policies.packed import PackedLatentPolicy
 from lit_flowgrpo.policies.qwenimage import QwenImagePolicy
 from lit_flowgrpo.policies.sd3 import SD3Policy
 from lit_flowgrpo.policies.wan import WanPolicy
+from lit_flowgrpo.policies.zimage import ZImagePolicy
 
-__all__ = ["FlowPolicy", "FluxPolicy", "PackedLatentPolicy", "QwenImagePolicy", "SD3Policy", "WanPolicy"]
+__all__ = [
+    "FlowPolicy",
+    "Flux2DevPolicy",
+    "Flux2KleinPolicy",
+    "FluxPolicy",
+    "PackedLatentPolicy",
+    "QwenImagePolicy",
+    "SD3Policy",
+    "WanPolicy",
+    "ZImagePolicy",
+]

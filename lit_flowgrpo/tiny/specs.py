@@ -9,7 +9,9 @@ none of them restates a family's config. A spec is a dict of plain dicts of cons
 arguments, derived with ``dict(SPECS["flux"]["transformer"], num_layers=1)``; never change one in
 place.
 
-Keys of a spec: ``family`` (the policy family: ``sd3``, ``flux``, ``qwenimage``, ``wan``);
+Keys of a spec: ``family`` (the policy family: ``sd3``, ``flux``, ``flux2``, ``zimage``, ``qwenimage``,
+``wan``); ``pipeline`` (the diffusers pipeline class, where a family has more than one: FLUX.2 klein
+and dev);
 ``transformer``, ``vae``, ``scheduler`` (keyword arguments of the diffusers classes);
 ``scheduler_class`` (when it is not ``FlowMatchEulerDiscreteScheduler``); ``text`` (the conditioning's
 shapes: ``tokens`` × ``dim``, and the ``pooled`` vector's size); for Wan 2.2 A14B, ``experts`` (2)
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FLUX_VAE", "SD3_VAE", "SPECS", "WAN21_VAE"]
+__all__ = ["FLUX2_VAE", "FLUX_VAE", "SD3_VAE", "SPECS", "WAN21_VAE"]
 
 #: stabilityai/stable-diffusion-3.5-medium vae/config.json (AutoencoderKL: 8× in space, 16 latent
 #: channels, no quant convs); FLUX.1's is the same network with its own normalisation constants.
@@ -59,6 +61,40 @@ WAN21_VAE: dict[str, Any] = dict(
     dropout=0.0,
     latents_mean=_WAN21_LATENTS_MEAN,
     latents_std=_WAN21_LATENTS_STD,
+)
+
+#: FLUX.2's VAE (AutoencoderKLFlux2): diffusers ``scripts/convert_flux2_to_diffusers.py`` builds it with
+#: the class's defaults (8x in space, 32 latent channels, quant convs, a batch norm over the 2x2-patchified
+#: 128 channels whose running statistics normalise the latents). The same VAE serves klein and dev.
+FLUX2_VAE: dict[str, Any] = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=["DownEncoderBlock2D"] * 4,
+    up_block_types=["UpDecoderBlock2D"] * 4,
+    block_out_channels=[128, 256, 512, 512],
+    layers_per_block=2,
+    latent_channels=32,
+    norm_num_groups=32,
+    sample_size=1024,
+    use_quant_conv=True,
+    use_post_quant_conv=True,
+    mid_block_add_attention=True,
+    batch_norm_eps=1e-4,
+    batch_norm_momentum=0.1,
+    patch_size=[2, 2],
+)
+
+#: black-forest-labs/FLUX.1-dev scheduler/scheduler_config.json, which the FLUX.2 conversion script
+#: (above) copies into every FLUX.2 pipeline: dynamic exponential shift. The FLUX.2 pipelines pass their
+#: own ``mu`` (``compute_empirical_mu`` of the token count and the step count), not this config's line.
+FLUX_SCHEDULER: dict[str, Any] = dict(
+    num_train_timesteps=1000,
+    shift=3.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
 )
 
 SPECS: dict[str, dict[str, Any]] = {
@@ -189,4 +225,96 @@ SPECS["wan22a14b"] = dict(
     scheduler=dict(SPECS["wan14b"]["scheduler"], flow_shift=12.0),
     experts=2,
     boundary_ratio=0.875,
+)
+
+# FLUX.2 (diffusers ``Flux2Transformer2DModel``): the transformer configs of diffusers
+# ``scripts/convert_flux2_to_diffusers.py`` (``get_flux2_transformer_config``), which writes each hub
+# repository's transformer/config.json: klein 4B (black-forest-labs/FLUX.2-klein-4B and -base-4B, the same
+# config), klein 9B (FLUX.2-klein-9B, -base-9B) and dev (FLUX.2-dev, 32B, with a guidance embedding).
+# Text: the stacked hidden states of three text-encoder layers, padded to 512 tokens: 3 x 2560 (Qwen3-4B),
+# 3 x 4096 (Qwen3-8B), 3 x 5120 (Mistral-Small-3.1-24B).
+_FLUX2_KLEIN4B = dict(
+    patch_size=1,
+    in_channels=128,
+    num_layers=5,
+    num_single_layers=20,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=7680,
+    timestep_guidance_channels=256,
+    mlp_ratio=3.0,
+    axes_dims_rope=(32, 32, 32, 32),
+    rope_theta=2000,
+    eps=1e-6,
+    guidance_embeds=False,
+)
+SPECS["flux2_klein4b"] = dict(
+    family="flux2",
+    pipeline="Flux2KleinPipeline",
+    transformer=_FLUX2_KLEIN4B,
+    vae=FLUX2_VAE,
+    scheduler=FLUX_SCHEDULER,
+    text=dict(tokens=512, dim=7680),
+)
+SPECS["flux2_klein9b"] = dict(
+    SPECS["flux2_klein4b"],
+    transformer=dict(
+        _FLUX2_KLEIN4B, num_layers=8, num_single_layers=24, num_attention_heads=32, joint_attention_dim=12288
+    ),
+    text=dict(tokens=512, dim=12288),
+)
+SPECS["flux2_dev"] = dict(
+    SPECS["flux2_klein4b"],
+    pipeline="Flux2Pipeline",
+    transformer=dict(
+        _FLUX2_KLEIN4B,
+        num_layers=8,
+        num_single_layers=48,
+        num_attention_heads=48,
+        joint_attention_dim=15360,
+        guidance_embeds=True,
+    ),
+    text=dict(tokens=512, dim=15360),
+)
+# Tongyi-MAI/Z-Image-Turbo transformer/config.json (ZImageTransformer2DModel, 6.15B: 30 single-stream
+# blocks of 3840, 2 noise and 2 caption refiner blocks); the VAE is FLUX.1's (vae/config.json); its
+# scheduler_config.json: FlowMatchEulerDiscreteScheduler, shift 3.0, no dynamic shift. Tongyi-MAI/Z-Image
+# (the undistilled base) has the same transformer and VAE and shift 6.0. Text: Qwen3-4B's second-to-last
+# hidden state (2560) of the prompt's real tokens only (each prompt its own length); 128 is a long prompt.
+SPECS["zimage_turbo"] = dict(
+    family="zimage",
+    transformer=dict(
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        in_channels=16,
+        dim=3840,
+        n_layers=30,
+        n_refiner_layers=2,
+        n_heads=30,
+        n_kv_heads=30,
+        norm_eps=1e-5,
+        qk_norm=True,
+        cap_feat_dim=2560,
+        rope_theta=256.0,
+        t_scale=1000.0,
+        axes_dims=[32, 48, 48],
+        axes_lens=[1536, 512, 512],
+    ),
+    vae=FLUX_VAE,
+    scheduler=dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False),
+    text=dict(tokens=128, dim=2560),
+)
+SPECS["zimage"] = dict(SPECS["zimage_turbo"], scheduler=dict(SPECS["zimage_turbo"]["scheduler"], shift=6.0))
+# stabilityai/stable-diffusion-3.5-large transformer/config.json (8.1B): 38 blocks of 38 x 64 = 2432, no
+# dual-attention blocks, QK RMS norm, a 192 x 192 position table; VAE, scheduler and text as SD3.5-Medium's.
+SPECS["sd35l"] = dict(
+    SPECS["sd35m"],
+    transformer=dict(
+        SPECS["sd35m"]["transformer"],
+        num_layers=38,
+        num_attention_heads=38,
+        caption_projection_dim=2432,
+        pos_embed_max_size=192,
+        dual_attention_layers=(),
+    ),
 )
