@@ -6,7 +6,7 @@ only fails the reward that needs it. Plugins register their own rewards when imp
 world's ``shapes`` and ``shapes_video`` rewards come with ``import lit_flowgrpo.toy``.
 """
 
-from lit_flowgrpo.rewards import aesthetic, clip_score, geneval, jpeg, ocr, pickscore, video, vlm_judge
+from lit_flowgrpo.rewards import aesthetic, clip_score, geneval, group, jpeg, ocr, pickscore, video, vlm_judge
 from lit_flowgrpo.rewards.base import (
     DEFAULT_MODALITIES,
     MultiReward,
@@ -34,6 +34,7 @@ __all__ = [
     "build_reward",
     "clip_score",
     "geneval",
+    "group",
     "jpeg",
     "modality_problems",
     "ocr",

@@ -30,7 +30,11 @@ Optional attributes a reward may carry:
   (the training loop's), e.g. because it keeps thread-local state or shares non-reentrant state with
   the policy. It then never runs in a worker thread: neither beside the other rewards nor beside the
   sampler; the training step scores it on the whole batch once the rollout is done. Without the
-  attribute a reward may be called from a worker thread (never from two threads at once).
+  attribute a reward may be called from a worker thread (never from two threads at once);
+- ``scores_groups``: ``True`` for a reward that scores whole groups (a win rate or a rank within the
+  group), the one exception to the per-sample rule. It is called with every member of its groups and
+  their ids, assembled across ranks, once the rollout is done (:mod:`lit_flowgrpo.rewards.group`,
+  read through :func:`scores_groups`); a plain call here, without groups, gives it NaN.
 
 :func:`as_reward` turns any reward spec into a :class:`MultiReward`, which checks every output's
 shape where it is produced and returns a :class:`RewardOutput`.
@@ -78,6 +82,7 @@ __all__ = [
     "note",
     "register_reward",
     "reward_modalities",
+    "scores_groups",
     "thread_safe",
 ]
 
@@ -152,6 +157,11 @@ class Scored(NamedTuple):
 def thread_safe(reward: Any) -> bool:
     """Whether ``reward`` may run in a worker thread (its ``thread_safe`` attribute; default yes)."""
     return bool(getattr(reward, "thread_safe", True))
+
+
+def scores_groups(reward: Any) -> bool:
+    """Whether ``reward`` scores whole groups (its ``scores_groups`` attribute; default no)."""
+    return getattr(reward, "scores_groups", False) is True
 
 
 def reward_modalities(reward: Any) -> frozenset[str]:
@@ -382,6 +392,8 @@ class MultiReward:
             raise ValueError("; ".join(problems))
 
         def run(name: str, reward: Reward) -> Scored:
+            if scores_groups(reward):  # without its groups (lit_flowgrpo.rewards.group): unscored
+                return Scored({self._key(name, None): torch.full((batch,), torch.nan)}, 0.0)
             start = time.perf_counter()
             try:
                 value = reward(images, prompts, metadata)

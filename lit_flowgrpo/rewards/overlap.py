@@ -30,6 +30,10 @@ mixed precision applies to both ways alike. PyTorch's attention-kernel switches 
 though: a GPU reward's attention runs under those of a transformer forward running at the same time,
 which always leave the math kernel on, so the reward always has one
 (:func:`lit_flowgrpo.attention.sdpa_backends`). Validation scores its samples after sampling them.
+
+A reward that scores whole groups (``scores_groups``) is never scored by chunk: given the batch's group
+ids and data-parallel peers, :meth:`RewardQueue.result` scores it once the rollout is done, on this
+thread, with its groups assembled across ranks (:func:`lit_flowgrpo.rewards.group.score_groups`).
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
-from lit_flowgrpo.rewards.base import MultiReward, RewardOutput, Scored, note, thread_safe
+from lit_flowgrpo.distributed import DataParallel
+from lit_flowgrpo.rewards.base import MultiReward, RewardOutput, Scored, note, scores_groups, thread_safe
+from lit_flowgrpo.rewards.group import score_groups
 
 __all__ = ["THREAD_NAME", "RewardQueue"]
 
@@ -67,14 +73,29 @@ class RewardQueue:
         reward: the rewards; its ``overlap`` setting says whether chunks are scored during the rollout.
         prompts: the whole batch's, one per sample.
         metadata: the whole batch's, one per sample.
+        group_ids: (B,) the group of each sample, for the rewards that score whole groups (without
+            them such a reward is NaN).
+        dp: the data-parallel peers those groups are spread over (``None``: this process alone).
     """
 
-    def __init__(self, reward: MultiReward, prompts: Sequence[str], metadata: Sequence[dict]) -> None:
+    def __init__(
+        self,
+        reward: MultiReward,
+        prompts: Sequence[str],
+        metadata: Sequence[dict],
+        group_ids: Tensor | None = None,
+        dp: DataParallel | None = None,
+    ) -> None:
         self.reward = reward
         self.prompts, self.metadata = list(prompts), list(metadata)
+        self.group_ids, self.dp = group_ids, dp or DataParallel()
         overlap = bool(getattr(reward, "overlap", False))
         #: The rewards scored chunk by chunk in the worker; the others wait for :meth:`result`.
-        self.overlapped = [n for n, r in reward.rewards.items() if overlap and thread_safe(r)]
+        self.overlapped = [
+            n for n, r in reward.rewards.items() if overlap and thread_safe(r) and not scores_groups(r)
+        ]
+        #: The rewards that score whole groups, in :meth:`result`, when the groups are known.
+        self.grouped = [n for n, r in reward.rewards.items() if group_ids is not None and scores_groups(r)]
         self._pool: ThreadPoolExecutor | None = None
         self._chunks: list[tuple[slice, Tensor, Future[dict[str, Scored]]]] = []
         # Autocast is per thread: the worker scores under the caller's (a trainer's mixed precision),
@@ -129,8 +150,16 @@ class RewardQueue:
                 f"the rollout handed on chunks of samples {[(r.start, r.stop) for r, _ in parts]}, "
                 f"which do not cover its {batch} samples in order"
             )
-        later = [n for n in self.reward.rewards if not parts or n not in self.overlapped]
+        later = [
+            n
+            for n in self.reward.rewards
+            if (not parts or n not in self.overlapped) and n not in self.grouped
+        ]
         scored = self.reward.score(images, self.prompts, self.metadata, names=later) if later else {}
+        for name in self.grouped:  # a collective each, in the same order on every rank
+            reward = self.reward.rewards[name]
+            args = (images, self.prompts, self.metadata, self.group_ids, self.dp)
+            scored[name] = score_groups(name, reward, *args)  # its one value, keyed by its name
         for name in self.reward.rewards:
             if name not in scored:
                 scored[name] = _joined(name, [chunk[name] for _, chunk in parts])
