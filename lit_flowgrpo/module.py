@@ -236,10 +236,7 @@ class FlowGRPOModule(L.LightningModule):
         clock.begin("gen")
         embeds = self.policy.encode_prompts(batch.prompts)
         # Each chunk is scored as it is decoded (the reward's `overlap`): "reward" is the wait after it.
-        # The group ids and peers: a reward that scores whole groups meets each group across ranks.
-        with RewardQueue(
-            self.reward, batch.prompts, batch.metadata, batch.group_ids, self.data_parallel
-        ) as scores:
+        with RewardQueue.for_batch(self.reward, batch, self.data_parallel) as scores:
             # The objective's sampling policy (DiffusionNFT's old policy; else the trained weights).
             with (
                 self.copies.sampling(),

@@ -43,6 +43,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -103,6 +104,11 @@ class RewardQueue:
         self._autocast = [
             (d, torch.get_autocast_dtype(d)) for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)
         ]
+
+    @classmethod
+    def for_batch(cls, reward: MultiReward, batch: Any, dp: DataParallel) -> RewardQueue:
+        """The queue of a training step's ``batch`` (its prompts, metadata and group ids) on ``dp``."""
+        return cls(reward, batch.prompts, batch.metadata, batch.group_ids, dp)
 
     def __enter__(self) -> RewardQueue:
         return self
