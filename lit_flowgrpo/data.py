@@ -17,7 +17,7 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning as L
 import torch
@@ -341,9 +341,10 @@ class PromptDataModule(L.LightningDataModule):
         super().__init__()
         train, val = os.fspath(train), None if val is None else os.fspath(val)
         problems = []
-        if group_size < 2:
+        if group_size < self.min_group_size:
             problems.append(
-                f"--data.init_args.group_size ({group_size}) must be at least 2: GRPO needs a group to compare within"
+                f"--data.init_args.group_size ({group_size}) must be at least {self.min_group_size}: "
+                f"{self.group_size_reason}"
             )
         if prompts_per_step < 1:
             problems.append(f"--data.init_args.prompts_per_step ({prompts_per_step}) must be at least 1")
@@ -368,12 +369,20 @@ class PromptDataModule(L.LightningDataModule):
         self.seed = seed
         self.same_initial_noise = same_initial_noise
         # Read now: an empty or missing prompt file fails before any model is loaded.
-        self.train_records = read_prompts(train, "--data.init_args.train")
+        self.train_records = self.read_train(train, "--data.init_args.train")
         self.val_records = read_prompts(val, "--data.init_args.val") if val else []
         if max_val_prompts is not None:
             self.val_records = self.val_records[:max_val_prompts]
         _check_distinct(self.train_records, prompts_per_step, train)
         self._next_step = 0
+
+    #: The smallest ``group_size`` and why (a subclass whose records train alone allows 1).
+    min_group_size: ClassVar[int] = 2
+    group_size_reason: ClassVar[str] = "GRPO needs a group to compare within"
+
+    def read_train(self, path: str, flag: str) -> list[dict[str, Any]]:
+        """The training records (:func:`read_prompts`; a subclass reads records of its own kind)."""
+        return read_prompts(path, flag)
 
     @property
     def samples_per_step(self) -> int:
@@ -389,8 +398,12 @@ class PromptDataModule(L.LightningDataModule):
         sampler = GroupSampler(
             len(self.train_records), self.prompts_per_step, self.group_size, world_size, rank, self.seed
         )
-        stream = _TrainStream(self.train_records, sampler, self._next_step, self.same_initial_noise)
-        return DataLoader(stream, batch_size=None, collate_fn=_identity)
+        return DataLoader(self.train_stream(sampler, self._next_step), batch_size=None, collate_fn=_identity)
+
+    def train_stream(self, sampler: GroupSampler, start_step: int) -> IterableDataset:
+        """The endless stream of this rank's batches from ``start_step`` on (a subclass adds what its
+        records carry to each :class:`PromptBatch`)."""
+        return _TrainStream(self.train_records, sampler, start_step, self.same_initial_noise)
 
     def val_dataloader(self) -> DataLoader | list:
         if not self.val_records:

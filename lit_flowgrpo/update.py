@@ -27,6 +27,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lit_flowgrpo.data import split_problems
+from lit_flowgrpo.data_batch import DataBatch
 from lit_flowgrpo.distributed import DataParallel, balanced_counts, load_balance
 from lit_flowgrpo.errors import flag
 from lit_flowgrpo.objective import Objective, VisitContext
@@ -180,7 +181,7 @@ class UpdateHooks:
 class UpdateResult:
     """What one update did on this rank."""
 
-    batch: RolloutBatch
+    batch: RolloutBatch | DataBatch
     """The batch this rank trained (after load balancing: its kept samples first)."""
     trained: Tensor
     """(K,) the sample ids this rank trained."""
@@ -215,7 +216,7 @@ def run_update(
     settings: UpdateSettings,
     objective: Objective,
     ctx: VisitContext,
-    batch: RolloutBatch,
+    batch: RolloutBatch | DataBatch,
     hooks: UpdateHooks,
     diagnostics: Metric,
     *,
@@ -231,7 +232,8 @@ def run_update(
         objective: what each visit computes, and which visits it makes.
         ctx: the networks and the CFG scale of the visits (its ``reference_timer`` is replaced by
             one that adds to :attr:`UpdateResult.reference_s`).
-        batch: this rank's rollout batch.
+        batch: this rank's rollout batch (or, for an objective that learns from images, its
+            :class:`~lit_flowgrpo.data_batch.DataBatch`).
         hooks: the host's backward, optimizer step, logging and clock.
         diagnostics: the objective's metric, updated in place.
         dp: the data-parallel peers (every peer runs the same number of backward passes).
@@ -325,14 +327,14 @@ def run_update(
 
 
 def _balance(
-    batch: RolloutBatch,
+    batch: Any,
     kept: Tensor,
     counts: list[int],
     places: Tensor,
     n_visits: int,
     dp: DataParallel,
     hooks: UpdateHooks,
-) -> tuple[RolloutBatch, Tensor, list[int], Tensor]:
+) -> tuple[Any, Tensor, list[int], Tensor]:
     """``balance_load``: move kept samples between ranks so each trains ⌊K/R⌋ or ⌈K/R⌉; each row's
     place (its optimizer steps: :meth:`UpdateSettings.steps_of`) travels with it."""
     after = balanced_counts(counts)

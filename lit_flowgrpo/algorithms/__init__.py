@@ -8,7 +8,8 @@ the state. One concern per file:
   diversity multipliers;
 - :mod:`~lit_flowgrpo.algorithms.losses`: the ratio losses, their :class:`PolicyStats`, and the KL to
   the reference;
-- :mod:`~lit_flowgrpo.algorithms.nft`: DiffusionNFT's loss and schedules.
+- :mod:`~lit_flowgrpo.algorithms.nft`: DiffusionNFT's loss and schedules;
+- :mod:`~lit_flowgrpo.algorithms.data_losses`: the losses on given images, SFT and Diffusion-DPO.
 
 Import from here (``from lit_flowgrpo.algorithms import flow_grpo_loss``): the files are a layout,
 this is the API.
@@ -22,6 +23,15 @@ from lit_flowgrpo.algorithms.advantages import (
     gdpo_advantages,
     group_advantages,
     win_rates,
+)
+from lit_flowgrpo.algorithms.data_losses import (
+    DPOStats,
+    WeightingScheme,
+    diffusion_dpo_loss,
+    flow_matching_errors,
+    preference_pairs,
+    sft_loss,
+    training_sigma,
 )
 from lit_flowgrpo.algorithms.losses import (
     DPPOStats,
@@ -47,15 +57,19 @@ from lit_flowgrpo.algorithms.nft import (
 
 __all__ = [
     "NFT_DECAY_SCHEDULES",
+    "DPOStats",
     "DPPOStats",
     "GDPOAdvantages",
     "NFTRewardMode",
     "NFTStats",
     "PolicyStats",
+    "WeightingScheme",
     "clip_range_problems",
+    "diffusion_dpo_loss",
     "diversity_multipliers",
     "flow_dppo_loss",
     "flow_grpo_loss",
+    "flow_matching_errors",
     "gardo_uncertainty",
     "gated_kl_weights",
     "gaussian_step_kl",
@@ -67,7 +81,10 @@ __all__ = [
     "nft_old_policy_decay",
     "nft_reward_probability",
     "nft_sample_times",
+    "preference_pairs",
     "ratio_norm_loss",
     "resolve_clip_range_high",
+    "sft_loss",
+    "training_sigma",
     "win_rates",
 ]

@@ -9,6 +9,8 @@ One file per concern; every public name is re-exported here (``from lit_flowgrpo
   ``actor/...``), optionally per denoising step; :class:`FlowDPPOStats`, the same plus Flow-DPPO's
   trust-region mask; their options (:class:`DiagnosticsSettings`); the clip interval's one rule;
 - :mod:`~lit_flowgrpo.metrics.nft`: :class:`NFTDiagnostics`, DiffusionNFT's per-sample statistics;
+- :mod:`~lit_flowgrpo.metrics.data`: :class:`SFTDiagnostics` and :class:`DPODiagnostics`, the objectives
+  that learn from given images;
 - :mod:`~lit_flowgrpo.metrics.base`: what they share (:class:`DictMetric`, row states, the merge by id).
 
 Every state is a sufficient statistic (Σx, Σx², n, max, min, counts) reduced across ranks with sum, max
@@ -31,6 +33,7 @@ same point (it is a collective). ``MetricCollection([metric], prefix=...)`` flat
 from __future__ import annotations
 
 from lit_flowgrpo.metrics.base import DictMetric, check_vector, merge_moments, sum_by_id
+from lit_flowgrpo.metrics.data import DPODiagnostics, SFTDiagnostics
 from lit_flowgrpo.metrics.nft import NFTDiagnostics
 from lit_flowgrpo.metrics.policy import (
     DiagnosticsSettings,
@@ -42,12 +45,14 @@ from lit_flowgrpo.metrics.policy import (
 from lit_flowgrpo.metrics.rewards import RewardGroupStats
 
 __all__ = [
+    "DPODiagnostics",
     "DiagnosticsSettings",
     "DictMetric",
     "FlowDPPOStats",
     "NFTDiagnostics",
     "PolicyRatioStats",
     "RewardGroupStats",
+    "SFTDiagnostics",
     "check_vector",
     "clip_range_problems",
     "merge_moments",
