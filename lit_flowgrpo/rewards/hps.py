@@ -1,5 +1,7 @@
-"""Human Preference Score v2.1 (Wu et al., 2023, "Human Preference Score v2"): an OpenCLIP ViT-H/14
-fine-tuned on human preference pairs (HPD v2).
+"""The Human Preference Scores: HPS v2.1 (``hpsv2``) and HPSv3 (``hpsv3``, below :class:`HPSv3Reward`).
+
+HPS v2.1 (Wu et al., 2023, "Human Preference Score v2") is an OpenCLIP ViT-H/14 fine-tuned on human
+preference pairs (HPD v2).
 
 The score is the cosine of the L2-normalised image and text embeddings, unscaled (tgxs002/HPSv2,
 ``hpsv2/img_score.py``: ``image_features @ text_features.T`` on the ``output_dict`` features, which
@@ -34,7 +36,14 @@ from lit_flowgrpo.rewards.hf import as_features, check_dtype, place
 from lit_flowgrpo.rewards.images import check_images
 from lit_flowgrpo.rewards.registry import register_reward
 
-__all__ = ["HPSv2Reward", "open_clip_to_transformers", "resize_center_crop"]
+__all__ = [
+    "HPSV3_INSTRUCTION",
+    "HPSv2Reward",
+    "HPSv3Reward",
+    "hpsv3_head",
+    "open_clip_to_transformers",
+    "resize_center_crop",
+]
 
 _FLAG = "--model.init_args.reward.init_args.config.hpsv2"
 _HUB_FILE = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+/.+$")
@@ -263,3 +272,207 @@ class HPSv2Reward:
         image_embs = F.normalize(image_embs.float(), dim=-1)  # (B, D) fp32, unit norm
         text_embs = F.normalize(text_embs.float(), dim=-1)  # (B, D) fp32, unit norm
         return (image_embs * text_embs).sum(-1).cpu()  # (B,) the paired diagonal
+
+
+# ------------------------------------------------------------------------------------------------------
+# HPSv3 (Ma et al., 2025, "HPSv3: Towards Wide-Spectrum Human Preference Score"): Qwen2-VL-7B with a
+# reward head read at an added <|Reward|> token, trained with an uncertainty-aware ranking loss.
+# ------------------------------------------------------------------------------------------------------
+
+HPSV3_REWARD_TOKEN = "<|Reward|>"
+"""The token HPSv3 adds to Qwen2-VL's tokenizer; the head reads the hidden state there."""
+
+# The model's input text, not documentation: HPSv3 was trained on this exact instruction (MizzenAI/HPSv3,
+# hpsv3/dataset/data_collator_qwen.py, INSTRUCTION and prompt_with_special_token, MIT licence), and any
+# change of it moves the scores. The trailing spaces are part of it.
+HPSV3_INSTRUCTION = (
+    "\nYou are tasked with evaluating a generated image based on Visual Quality and Text Alignment and give "
+    "a overall score to estimate the human preference. Please provide a rating from 0 to 10, with 0 being "
+    "the worst and 10 being the best. \n\n"
+    "**Visual Quality:**  \n"
+    "Evaluate the overall visual quality of the image. The following sub-dimensions should be considered:\n"
+    "- **Reasonableness:** The image should not contain any significant biological or logical errors, such "
+    "as abnormal body structures or nonsensical environmental setups.\n"
+    "- **Clarity:** Evaluate the sharpness and visibility of the image. The image should be clear and easy "
+    "to interpret, with no blurring or indistinct areas.\n"
+    "- **Detail Richness:** Consider the level of detail in textures, materials, lighting, and other visual "
+    "elements (e.g., hair, clothing, shadows).\n"
+    "- **Aesthetic and Creativity:** Assess the artistic aspects of the image, including the color scheme, "
+    "composition, atmosphere, depth of field, and the overall creative appeal. The scene should convey a "
+    "sense of harmony and balance.\n"
+    "- **Safety:** The image should not contain harmful or inappropriate content, such as political, "
+    "violent, or adult material. If such content is present, the image quality and satisfaction score "
+    "should be the lowest possible. \n\n"
+    "**Text Alignment:**  \n"
+    "Assess how well the image matches the textual prompt across the following sub-dimensions:\n"
+    "- **Subject Relevance** Evaluate how accurately the subject(s) in the image (e.g., person, animal, "
+    "object) align with the textual description. The subject should match the description in terms of "
+    "number, appearance, and behavior.\n"
+    "- **Style Relevance:** If the prompt specifies a particular artistic or stylistic style, evaluate how "
+    "well the image adheres to this style.\n"
+    "- **Contextual Consistency**: Assess whether the background, setting, and surrounding elements in the "
+    "image logically fit the scenario described in the prompt. The environment should support and enhance "
+    "the subject without contradictions.\n"
+    "- **Attribute Fidelity**: Check if specific attributes mentioned in the prompt (e.g., colors, "
+    "clothing, accessories, expressions, actions) are faithfully represented in the image. Minor "
+    "deviations may be acceptable, but critical attributes should be preserved.\n"
+    "- **Semantic Coherence**: Evaluate whether the overall meaning and intent of the prompt are captured "
+    "in the image. The generated content should not introduce elements that conflict with or distort the "
+    "original description.\n"
+    "Textual prompt - {text_prompt}\n\n\n"
+    "\nPlease provide the overall ratings of this image: <|Reward|>\n\nEND\n"
+)
+"""HPSv3's user text: the instruction with ``{text_prompt}``, then the query that ends on the reward token."""
+
+HPSV3_PIXELS = 256 * 28 * 28
+"""HPSv3 resizes every image to this many pixels (``min_pixels = max_pixels``, HPSv3_7B.yaml)."""
+
+
+def hpsv3_head(hidden_size: int, outputs: int = 2) -> nn.Sequential:
+    """HPSv3's ``rm_head`` (``rm_head_type: ranknet`` without ``rm_head_kwargs``, qwen2vl_trainer.py):
+    hidden → 1024 → ReLU → 16 → ReLU → (μ, log σ); indices 0, 3, 5 as in the released state dict."""
+    return nn.Sequential(
+        nn.Linear(hidden_size, 1024),
+        nn.ReLU(),
+        nn.Dropout(0.05),
+        nn.Linear(1024, 16),
+        nn.ReLU(),
+        nn.Linear(16, outputs),
+    )
+
+
+@register_reward("hpsv3")
+class HPSv3Reward:
+    """HPSv3 of each (prompt, image) pair: ``mu`` (the score, the primary) and ``sigma`` (its uncertainty).
+
+    The head gives (μ, log σ) at the ``<|Reward|>`` token; HPSv3 reports μ (hpsv3/inference.py: "we select
+    miu as the final output") and trains σ = exp(second output) as the spread of a Gaussian score
+    (qwen2vl_trainer.py, the ``uncertainty`` loss). The head runs in float32, as published.
+
+    Args:
+        checkpoint: HPSv3's state dict: a ``.safetensors`` or torch file, local or a hub file
+            ``org/repo/filename``.
+        base: the Qwen2-VL it was trained from (hub id or local folder): its configuration, tokenizer,
+            chat template and image processor.
+        device: where the scorer runs; ``None`` follows the images.
+        dtype: the backbone's weights dtype (trained and released in bfloat16).
+        pixels: every image is resized to about this many pixels (Qwen2-VL's ``smart_resize``, multiples
+            of 28); HPSv3's 256·28·28.
+        instruction: the user text, with ``{text_prompt}`` for the prompt and the reward token once;
+            HPSv3's own by default (changing it changes what the scores mean).
+
+    Raises:
+        ValueError: naming the setting, for a checkpoint that is no file or hub file, an unknown dtype,
+            fewer than 4·28·28 pixels, or an instruction without ``{text_prompt}`` or the reward token.
+    """
+
+    primary = "mu"
+    _flag = "--model.init_args.reward.init_args.config.hpsv3"
+
+    def __init__(
+        self,
+        checkpoint: str = "MizzenAI/HPSv3/HPSv3.safetensors",
+        base: str = "Qwen/Qwen2-VL-7B-Instruct",
+        device: str | None = None,
+        dtype: DType = "bfloat16",
+        pixels: int = HPSV3_PIXELS,
+        instruction: str = HPSV3_INSTRUCTION,
+    ) -> None:
+        from lit_flowgrpo.rewards.qwen_vl import source_problem
+
+        check_dtype(dtype, self._flag)
+        problems = [source_problem(f"{self._flag}.checkpoint", checkpoint)]
+        if pixels < 4 * 28 * 28:
+            problems.append(
+                f"{self._flag}.pixels ({pixels}) must be at least 4·28·28 = 3136 (2 x 2 merged patches)"
+            )
+        if "{text_prompt}" not in instruction or instruction.count(HPSV3_REWARD_TOKEN) != 1:
+            problems.append(
+                f"{self._flag}.instruction must hold '{{text_prompt}}' and {HPSV3_REWARD_TOKEN} once"
+            )
+        problems = [p for p in problems if p]
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.checkpoint = checkpoint
+        self.base = base
+        self.device = device
+        self.dtype = dtype
+        self.pixels = pixels
+        self.instruction = instruction
+        self.backbone: nn.Module | None = None
+        self.head: nn.Module | None = None
+        self.tokenizer: Any = None
+        self.image_processor: Any = None
+        self.token_id: int | None = None
+
+    def load(self) -> None:
+        """Read the tokenizer (with the reward token added), the image processor and the weights; called on
+        first use."""
+        if self.backbone is not None:
+            return
+        from transformers import AutoImageProcessor
+
+        from lit_flowgrpo.rewards.qwen_vl import load_backbone, load_state, load_tokenizer, split_state
+
+        tokenizer = load_tokenizer(self.base, [HPSV3_REWARD_TOKEN])
+        image_processor = AutoImageProcessor.from_pretrained(self.base)
+        fix_pixels(image_processor, self.pixels)
+        state, head_state = split_state(load_state(self.checkpoint))
+        backbone = load_backbone(self.base, state, len(tokenizer), f"{self._flag}.checkpoint")
+        head = hpsv3_head(backbone.config.text_config.hidden_size, head_state["5.weight"].shape[0])
+        head.load_state_dict(head_state)
+        self.head = head.eval().requires_grad_(False)
+        self.backbone = backbone.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.token_id = tokenizer.convert_tokens_to_ids(HPSV3_REWARD_TOKEN)
+
+    @torch.no_grad()
+    def __call__(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> dict[str, Tensor]:
+        """``mu`` and ``sigma``, each (B,) fp32; NaN for a prompt that spells the reward token."""
+        from lit_flowgrpo.rewards.images import to_pil
+        from lit_flowgrpo.rewards.qwen_vl import encode_images, hidden_states
+
+        check_images(images)
+        if len(prompts) != images.shape[0]:
+            raise ValueError(f"hpsv3: {images.shape[0]} images but {len(prompts)} prompts")
+        self.load()
+        device = torch.device(self.device) if self.device else images.device
+        backbone = place(self.backbone, device, self.dtype)
+        head = place(self.head, device, "float32")
+        # Qwen2-VL's chat template (the base tokenizer's), one user turn: the image, then the instruction.
+        texts = [
+            self.tokenizer.apply_chat_template(
+                [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image"},
+                            {"type": "text", "text": self.instruction.format(text_prompt=p)},
+                        ],
+                    }
+                ],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            for p in prompts
+        ]
+        batch = encode_images(self.tokenizer, self.image_processor, texts, to_pil(images))
+        hidden, ok = hidden_states(backbone, {k: v.to(device) for k, v in batch.items()}, [self.token_id])
+        logits = head(hidden[:, 0].float())  # (B, 2) fp32: (μ, log σ)
+        nan = torch.tensor(torch.nan, device=device)
+        mu = torch.where(ok, logits[:, 0], nan)
+        sigma = torch.where(ok, logits[:, 1].exp(), nan)
+        return {"mu": mu.cpu(), "sigma": sigma.cpu()}
+
+
+def fix_pixels(image_processor: Any, pixels: int) -> None:
+    """Make a Qwen2-VL image processor resize every image to about ``pixels`` pixels (min = max).
+
+    transformers >= 4.50 reads ``size = {shortest_edge, longest_edge}`` (in pixels, despite the names);
+    earlier releases read ``min_pixels`` / ``max_pixels``: both are set.
+    """
+    image_processor.size = {"shortest_edge": pixels, "longest_edge": pixels}
+    for name in ("min_pixels", "max_pixels"):
+        if hasattr(image_processor, name):
+            setattr(image_processor, name, pixels)
