@@ -6,6 +6,7 @@ The toy world's policy is a plugin: ``lit_flowgrpo.toy.ToyPolicy``.
 from lit_flowgrpo.policies.base import FlowPolicy
 from lit_flowgrpo.policies.flux import FluxPolicy
 from lit_flowgrpo.policies.flux2 import Flux2DevPolicy, Flux2KleinPolicy
+from lit_flowgrpo.policies.hunyuanvideo15 import HunyuanVideo15Policy
 from lit_flowgrpo.policies.packed import PackedLatentPolicy
 from lit_flowgrpo.policies.qwenimage import QwenImagePolicy
 from lit_flowgrpo.policies.sd3 import SD3Policy
@@ -17,6 +18,7 @@ __all__ = [
     "Flux2DevPolicy",
     "Flux2KleinPolicy",
     "FluxPolicy",
+    "HunyuanVideo15Policy",
     "PackedLatentPolicy",
     "QwenImagePolicy",
     "SD3Policy",

@@ -8,6 +8,7 @@ miniature pipelines in code, `save_pretrained` them to a folder and load them th
     python -m lit_flowgrpo.tiny.flux .tiny_models/flux
     python -m lit_flowgrpo.tiny.qwenimage .tiny_models/qwenimage
     python -m lit_flowgrpo.tiny.wan .tiny_models/wan            (a14b: .tiny_models/wan22_a14b a14b)
+    python -m lit_flowgrpo.tiny.hunyuanvideo15 .tiny_models/hunyuanvideo15
 
 Each tiny model is its family's public config (:mod:`lit_flowgrpo.tiny.specs`, which the benchmarks
 build full-size models from) with small overrides, so that the two never restate a config.

@@ -318,3 +318,49 @@ SPECS["sd35l"] = dict(
         dual_attention_layers=(),
     ),
 )
+# HunyuanVideo 1.5 text-to-video at 480p (hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v, the smallest
+# published resolution), 8.3B: the configs diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py
+# writes to that repository's transformer/config.json (TRANSFORMER_CONFIGS["480p_t2v"]: 54 blocks of
+# 16 x 128 = 2048, 65 channels in = 32 latent + 32 condition + 1 mask), vae/config.json (the
+# AutoencoderKLHunyuanVideo15 defaults: 16x in space, 4x in time, 32 channels), scheduler (shift 5.0) and
+# guider (ClassifierFreeGuidance 6.0). Text: HunyuanVideo15Pipeline's own lengths: 1000 Qwen2.5-VL-7B
+# states of 3584 (after the template's 108), 256 ByT5 glyph states of 1472, 729 SigLIP image rows of 1152
+# (zero and masked in text-to-video).
+SPECS["hunyuanvideo15_480p"] = dict(
+    family="hunyuanvideo15",
+    transformer=dict(
+        in_channels=65,
+        out_channels=32,
+        num_attention_heads=16,
+        attention_head_dim=128,
+        num_layers=54,
+        num_refiner_layers=2,
+        mlp_ratio=4.0,
+        patch_size=1,
+        patch_size_t=1,
+        qk_norm="rms_norm",
+        text_embed_dim=3584,
+        text_embed_2_dim=1472,
+        image_embed_dim=1152,
+        rope_theta=256.0,
+        rope_axes_dim=(16, 56, 56),
+        use_meanflow=False,
+        target_size=640,
+        task_type="t2v",
+    ),
+    vae=dict(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=32,
+        block_out_channels=(128, 256, 512, 1024, 1024),
+        layers_per_block=2,
+        spatial_compression_ratio=16,
+        temporal_compression_ratio=4,
+        downsample_match_channel=True,
+        upsample_match_channel=True,
+        scaling_factor=1.03682,
+    ),
+    scheduler=dict(num_train_timesteps=1000, shift=5.0),
+    guider=dict(guidance_scale=6.0),
+    text=dict(tokens=1000, dim=3584, glyph_tokens=256, glyph_dim=1472, image_tokens=729, image_dim=1152),
+)

@@ -1,0 +1,215 @@
+"""HunyuanVideo15Policy against diffusers' own HunyuanVideo15Pipeline, on a tiny random pipeline saved to disk."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+from tolerances import depth, network_atol, sampling_layers
+
+from lit_flowgrpo.policies.base import latent_shape_of
+from lit_flowgrpo.policies.hunyuanvideo15 import HunyuanVideo15Policy
+from lit_flowgrpo.rollout import Sampler, sample_trajectory
+from lit_flowgrpo.tiny.hunyuanvideo15 import TEMPLATE_TOKENS, build_tiny_hunyuanvideo15, template_prefix
+from lit_flowgrpo.weights import LORA_WEIGHTS_FILE, LoraSettings, TrainableWeights, WeightsSettings
+
+# The second prompt quotes a text: the glyph (ByT5) encoder runs for it, and is zeros for the first.
+PROMPTS = ["a red cat", 'two dogs hold a "sign"']
+SIZE, FRAMES, STEPS, MAX_LEN = 32, 5, 3, 16
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_hunyuanvideo15(tmp_path_factory.mktemp("tiny_hunyuanvideo15"))
+
+
+def _load(path: str, **kwargs) -> HunyuanVideo15Policy:
+    policy = HunyuanVideo15Policy(
+        path, dtype="float32", vae_dtype="float32", max_sequence_length=MAX_LEN, **kwargs
+    )
+    policy.load()
+    return policy
+
+
+@pytest.mark.parametrize("cfg", [6.0, 1.0])
+def test_noise_level_zero_sampling_reproduces_the_pipeline(tiny_path: str, cfg: float) -> None:
+    policy = _load(tiny_path)
+    pipe = HunyuanVideo15Pipeline.from_pretrained(tiny_path, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.tokenizer_max_length = MAX_LEN  # what the policy's max_sequence_length sets
+    pipe.guider = ClassifierFreeGuidance(guidance_scale=cfg)  # the pipeline's guidance is its guider's
+    shape = policy.latent_shape(SIZE, SIZE, FRAMES)
+    assert shape == (4, 2, 2, 2)  # 16× in space, 4× in time: 8 video tokens
+    noise = torch.randn(len(PROMPTS), *shape, generator=torch.Generator().manual_seed(3))
+    traj = sample_trajectory(
+        policy,
+        policy.encode_prompts(PROMPTS),
+        noise,
+        policy.sigmas(STEPS, SIZE, SIZE),
+        guidance_scale=cfg,
+        noise_level=0.7,  # no SDE step: noise level 0 everywhere
+        sde_type="sde",
+        sde_steps=[],
+        train_steps=[],
+    )
+    kwargs = dict(height=SIZE, width=SIZE, num_frames=FRAMES, num_inference_steps=STEPS)
+    ref = pipe(prompt=PROMPTS, latents=noise.clone(), output_type="latent", **kwargs).frames
+    # Our CFG halves share one batch where the pipeline runs two forwards: each forward's reductions may
+    # sum in another order, amplified by the guidance along the loop, plus one rounding per Euler step.
+    # Measured: 1.5e-6 at cfg 6 and exactly 0 without CFG (the same forwards).
+    layers = sampling_layers(depth(pipe.transformer), STEPS, cfg) + STEPS
+    atol = network_atol(layers, float(ref.abs().max())) if cfg > 1 else 0.0
+    torch.testing.assert_close(traj.final, ref, atol=atol, rtol=0)
+    # Videos: the pipeline decodes one at a time here, as the policy does (diffusers 0.42's VAE fails on a
+    # batch of two: its causal mask broadcasts against the batch).
+    videos = policy.decode(traj.final)
+    assert videos.shape == (2, FRAMES, 3, SIZE, SIZE) and videos.dtype == torch.float32
+    ref_videos = torch.cat(
+        [
+            pipe(prompt=[p], latents=noise[i : i + 1].clone(), output_type="pt", **kwargs).frames
+            for i, p in enumerate(PROMPTS)
+        ]
+    )
+    atol = network_atol(layers + depth(pipe.vae.decoder), 1.0)
+    torch.testing.assert_close(videos, ref_videos, atol=atol, rtol=0)
+    assert (videos[0] - videos[1]).abs().max() > 1e-3
+
+
+def test_sigmas_are_the_pipelines_shifted_schedule(tiny_path: str) -> None:
+    policy = _load(tiny_path)
+    assert isinstance(policy.pipe.scheduler, FlowMatchEulerDiscreteScheduler)
+    # The pipeline's own path: linspace(1, 0, T + 1)[:-1] handed to its scheduler, which shifts it.
+    reference = FlowMatchEulerDiscreteScheduler.from_config(policy.pipe.scheduler.config)
+    reference.set_timesteps(sigmas=np.linspace(1.0, 0.0, 21)[:-1])
+    sigmas = policy.sigmas(20, 480, 848)
+    torch.testing.assert_close(sigmas, reference.sigmas.float(), atol=0, rtol=0)
+    assert sigmas.shape == (21,) and sigmas[0] == 1 and sigmas[-1] == 0
+    shift = policy.pipe.scheduler.config.shift  # 5.0 at 480p: σ' = sσ / (1 + (s − 1)σ)
+    assert float(sigmas[10]) == pytest.approx(shift * 0.5 / (1 + (shift - 1) * 0.5), rel=1e-6)
+
+
+def test_the_tiny_template_is_cropped_where_the_released_ones_is(tiny_path: str) -> None:
+    """The tiny tokenizer's chat template is the 108 tokens the pipeline crops, so the encoder's kept
+    states are the prompt's own (then the template's closing tokens and padding), as with Qwen2.5-VL's."""
+    pipe = HunyuanVideo15Pipeline.from_pretrained(tiny_path)
+    assert (
+        len(pipe.tokenizer(template_prefix()).input_ids)
+        == TEMPLATE_TOKENS
+        == pipe.prompt_template_encode_start_idx
+    )
+    policy = _load(tiny_path)
+    embeds = policy.encode_prompts(PROMPTS)
+    assert embeds["prompt_embeds"].shape == (2, MAX_LEN, 32)
+    # "a red cat" is 3 + 3 + 3 characters-or-words; then <|im_end|>, <|im_start|>, "assistant".
+    kept = len(pipe.tokenizer("a red cat").input_ids) + 3
+    assert embeds["prompt_embeds_mask"][0].sum() == kept
+    # Glyph states only for the prompt that quotes a text.
+    assert embeds["prompt_embeds_mask_2"][0].sum() == 0 and embeds["prompt_embeds_mask_2"][1].sum() > 0
+
+
+def test_one_lora_step_trains_only_the_adapters_and_exports_for_the_transformer(
+    tiny_path: str, tmp_path
+) -> None:
+    policy = _load(tiny_path)
+    weights = TrainableWeights(WeightsSettings(lora=LoraSettings(rank=4, alpha=8)), seed=0)
+    weights.attach(policy)
+    lora = {n: p for n, p in policy.named_parameters() if "lora_" in n}
+    # The 8 joint-attention projections of each of 2 blocks, and q, k, v, out of the refiner's block.
+    assert len({n.split(".lora_")[0] for n in lora}) == 8 * 2 + 4
+    g = torch.Generator().manual_seed(1)
+    x0 = torch.randn(2, *policy.latent_shape(SIZE, SIZE, FRAMES), generator=g)
+    noise = torch.randn(x0.shape, generator=g)
+    embeds = policy.encode_prompts(PROMPTS)
+    s = torch.full((2,), 0.6)
+    loss = (policy.velocity(0.4 * x0 + 0.6 * noise, s, embeds, 1.0) - (noise - x0)).pow(2).mean()
+    loss.backward()
+    # The last block's text stream ends nowhere (the transformer keeps its video tokens only), so its text
+    # queries and text output projection get no gradient.
+    last = f"transformer_blocks.{len(policy.transformer.transformer_blocks) - 1}.attn."
+    dead = (last + "add_q_proj.", last + "to_add_out.")
+    for name, param in policy.named_parameters():
+        if "lora_" in name:
+            # Gaussian init: B = 0, so A's first gradient is 0 too; B's is not.
+            assert param.requires_grad, name
+            if any(d in name for d in dead):
+                assert param.grad is None or not param.grad.any(), name
+                continue
+            assert param.grad is not None, name
+            assert "lora_A" in name or param.grad.abs().sum() > 0, name
+        else:
+            assert not param.requires_grad and param.grad is None, name
+    torch.optim.SGD(lora.values(), lr=0.1).step()
+    with torch.no_grad():
+        trained = policy.velocity(noise, s, embeds, 1.0)
+        with weights.copies.reference():
+            reference = policy.velocity(noise, s, embeds, 1.0)
+        base = _load(tiny_path).velocity(noise, s, embeds, 1.0)
+    # The adapters off compute the base layers alone: the same computation as the base model, exactly.
+    torch.testing.assert_close(reference, base, atol=0, rtol=0)
+    assert (trained - reference).abs().max() > 1e-4
+    # The export: diffusers 0.42 gives the pipeline no LoRA loader, so the transformer's own
+    # load_lora_adapter reads it back, and the loaded transformer computes what the trained one does.
+    out = tmp_path / "lora"
+    weights.export(policy, str(out))
+    pipe = HunyuanVideo15Pipeline.from_pretrained(tiny_path)
+    pipe.transformer.load_lora_adapter(
+        str(out), weight_name=LORA_WEIGHTS_FILE, prefix="transformer", adapter_name="rl"
+    )
+    loaded = {n for n, _ in pipe.transformer.named_parameters() if "lora_" in n}
+    assert len(loaded) == len(lora)
+    fresh = _load(tiny_path)
+    fresh._transformer = fresh.pipe.transformer = pipe.transformer
+    with torch.no_grad():
+        again = fresh.velocity(noise, s, embeds, 1.0)
+    torch.testing.assert_close(again, trained, atol=0, rtol=0)
+
+
+def test_rollout_decodes_videos_and_rescores_its_records(tiny_path: str) -> None:
+    policy = _load(tiny_path)
+    sampler = Sampler(num_steps=2, guidance_scale=1.0, height=SIZE, width=SIZE, frames=FRAMES)
+    traj, videos = sampler.rollout(
+        policy, policy.encode_prompts(PROMPTS), torch.tensor([1, 2]), step=0, seed=0
+    )
+    assert videos.shape == (2, FRAMES, 3, SIZE, SIZE) and 0 <= float(videos.min()) <= float(videos.max()) <= 1
+    # Re-scoring the record under the same weights gives the recorded log-probs back (fp32 model).
+    embeds = policy.encode_prompts(PROMPTS)
+    idx = torch.arange(2)
+    for j in range(traj.num_trained):
+        with torch.no_grad():
+            v = policy.velocity(
+                traj.latents[idx, j].float(), torch.full((2,), float(traj.sigmas[j])), embeds, 1.0
+            )
+        torch.testing.assert_close(traj.score(v, j, idx).log_prob, traj.log_probs[:, j], atol=0, rtol=0)
+
+
+def test_bad_settings_frames_sizes_and_sequence_parallelism_name_the_flag(
+    tiny_path: str, tiny_sd3_path: str
+) -> None:
+    policy = HunyuanVideo15Policy(tiny_path)  # nothing loaded
+    problems = Sampler(height=250, width=416, frames=32).image_size_problems(policy)
+    assert len(problems) == 2
+    assert problems[0].startswith("--model.init_args.sampler.height (250) must be a positive multiple of 16")
+    assert (
+        problems[1].startswith("--model.init_args.sampler.frames (32) must be 4k + 1")
+        and "use 33" in problems[1]
+    )
+    assert Sampler(height=480, width=848, frames=33).image_size_problems(policy) == []
+    (problem,) = policy.sequence_parallel_problems(
+        2, 480, 848, 33, "--model.init_args.performance.sequence_parallel"
+    )
+    assert "no context-parallel plan (_cp_plan)" in problem and problem.endswith(
+        "sequence_parallel=1 (data parallelism still applies)"
+    )
+    problems = HunyuanVideo15Policy(tiny_path, max_sequence_length=1001, vae_dtype="int8").problems()
+    assert [p.split(" ")[0] for p in problems] == [
+        "--model.init_args.policy.init_args.vae_dtype",
+        "--model.init_args.policy.init_args.max_sequence_length",
+    ]
+    (wrong,) = HunyuanVideo15Policy(tiny_sd3_path).problems()
+    assert "StableDiffusion3Pipeline" in wrong and "HunyuanVideo15Pipeline" in wrong
+    loaded = _load(tiny_path)
+    with pytest.raises(ValueError, match=r"--model.init_args.sampler.frames \(6\).*4k \+ 1"):
+        latent_shape_of(loaded, SIZE, SIZE, 6)
+    with pytest.raises(ValueError, match=r"--model.init_args.sampler.width \(24\) must be a multiple of 16"):
+        loaded.latent_shape(SIZE, 24, FRAMES)
