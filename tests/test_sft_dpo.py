@@ -1,0 +1,200 @@
+"""SFT and Diffusion-DPO through the module on the tiny SD3 (its VAE encodes the images): a visit's loss
+is the pure function's on the same tensors, bad settings are refused before weights load, resume is
+bit-exact for each objective, and two DDP ranks train what one process does."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from ddp_helpers import CloseProcessGroup
+from test_datasets_images import write_images
+from test_module import lora_state, make_data, make_module, make_trainer
+from tolerances import EPS32
+
+from lit_flowgrpo.errors import SettingsError
+from lit_flowgrpo.image_data import ImageDataModule
+from lit_flowgrpo.objective import SFT, DiffusionDPO, build_objective
+
+SIZE = 32
+
+
+def data_module(index: str, pairs: bool, **overrides) -> ImageDataModule:
+    settings = dict(train=index, prompts_per_step=4, height=SIZE, width=SIZE, pairs=pairs, seed=2)
+    settings.update(overrides)
+    return ImageDataModule(**settings)
+
+
+def learner(path: str, objective, **overrides):
+    overrides.setdefault("guidance_scale", 1.0)
+    overrides.setdefault("optimizer_steps_per_rollout", 1)
+    return make_module(path, objective=objective, kl_coef=0.0, **overrides)
+
+
+def test_registered_with_their_sources_defaults():
+    sft, dpo = build_objective("sft"), build_objective("diffusion_dpo")
+    assert isinstance(sft, SFT) and isinstance(dpo, DiffusionDPO)
+    # diffusers' SD3 scripts: logit-normal (0, 1), mode scale 1.29, SD3.5's shift 3; the DPO script's β.
+    assert (sft.weighting_scheme, sft.logit_mean, sft.logit_std, sft.mode_scale, sft.shift) == (
+        "logit_normal",
+        0.0,
+        1.0,
+        1.29,
+        3.0,
+    )
+    assert dpo.beta == 5000.0 and dpo.uses_reference and not sft.uses_reference
+    assert (sft.learns_from(), dpo.learns_from(), DiffusionDPO(pairs="rollout").learns_from()) == (
+        "data",
+        "data",
+        "rollout_pairs",
+    )
+
+
+@pytest.mark.parametrize(
+    ("objective", "data_kw", "module_kw", "fragment"),
+    [
+        (DiffusionDPO(), {"pairs": False}, {}, "--data.init_args.pairs must be true"),
+        (SFT(), {"height": 16, "width": 16}, {}, "must be the sampler's"),
+        (SFT(), {}, {"kl_coef": 0.1}, "must be 0 or null with SFT"),
+        (DiffusionDPO(beta=0.0), {"pairs": True}, {}, "beta (0.0) must be a finite number > 0"),
+        (DiffusionDPO(), {"pairs": True}, {"lora": None}, "needs --model.init_args.kl.reference.copy=true"),
+    ],
+    ids=["dpo_without_pairs", "image_size", "kl_coef", "beta", "full_without_copy"],
+)
+def test_bad_settings_are_refused_before_weights_load(
+    tiny_sd3_path, tmp_path, objective, data_kw, module_kw, fragment
+):
+    index = write_images(tmp_path, 4, size=SIZE, pairs=True)
+    kw = {"guidance_scale": 1.0, "optimizer_steps_per_rollout": 1, "kl_coef": 0.0, **module_kw}
+    with pytest.raises(SettingsError, match=None) as err:
+        module = make_module(tiny_sd3_path, objective=objective, **kw)
+        trainer = make_trainer(tmp_path / "run", max_steps=1)
+        trainer.fit(module, datamodule=data_module(index, **{"pairs": True, **data_kw}))
+    assert fragment in str(err.value)
+    assert "module" not in locals() or not module._configured  # no weight was read
+
+
+def test_a_dpo_visit_is_the_loss_of_the_pure_function(tiny_sd3_path, tmp_path):
+    from lit_flowgrpo.algorithms import diffusion_dpo_loss, flow_matching_errors
+
+    index = write_images(tmp_path, 4, size=SIZE, pairs=True)
+    module = learner(tiny_sd3_path, DiffusionDPO(beta=50.0, sft_coef=0.5), lora=None, reference_copy=True)
+    trainer = make_trainer(tmp_path / "run", max_steps=1, logger=False)
+    trainer.fit(module, datamodule=data_module(index, pairs=True))
+    out = trainer.logged_metrics
+    # One optimizer step from θ = reference: the first visit's margin is 0 and its loss log 2 + sft term.
+    assert float(out["actor/dpo_pairs"]) == 4
+    assert float(out["actor/dpo_reward_margin"]) == 0.0 and float(out["actor/dpo_reward_accuracy"]) == 0.0
+    want = torch.log(torch.tensor(2.0)) + 0.5 * out["actor/dpo_chosen_error"]
+    torch.testing.assert_close(out["actor/loss"].float(), want.float(), rtol=4 * EPS32, atol=0)
+    # The pure functions agree on tensors built here (e_w < e_l lowers the loss below log 2).
+    ew, el = flow_matching_errors(torch.zeros(1, 4), torch.zeros(1, 4), torch.zeros(1, 4)), torch.ones(1)
+    loss, _ = diffusion_dpo_loss(ew, el, el, el, beta=1.0)
+    assert float(loss) < float(torch.log(torch.tensor(2.0)))
+
+
+def _fit(path, index, pairs, objective, root, max_steps, data_kw=None, **fit):
+    module = learner(path, objective)
+    trainer = make_trainer(root, max_steps=max_steps)
+    trainer.fit(module, datamodule=data_module(index, pairs, **(data_kw or {})), **fit)
+    return module, trainer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("objective", "pairs"),
+    [(SFT(visits_per_sample=2), False), (DiffusionDPO(beta=50.0), True)],
+    ids=["sft", "dpo_offline"],
+)
+def test_resume_is_exact(tiny_sd3_path, tmp_path, objective, pairs):
+    index = write_images(tmp_path / "data", 8, size=SIZE, pairs=pairs)
+    straight, _ = _fit(tiny_sd3_path, index, pairs, objective, tmp_path / "a", 4)
+    _, trainer = _fit(tiny_sd3_path, index, pairs, objective, tmp_path / "b", 2)
+    ckpt = tmp_path / "half.ckpt"
+    trainer.save_checkpoint(ckpt)
+    resumed, _ = _fit(tiny_sd3_path, index, pairs, objective, tmp_path / "c", 4, ckpt_path=ckpt)
+    a, b = lora_state(straight), lora_state(resumed)
+    assert a and [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert any(a[k].abs().max() > 0 for k in a if "lora_B" in k)  # it trained: LoRA's B starts at 0
+
+
+@pytest.mark.slow
+def test_online_dpo_resumes_exactly_and_pairs_each_group(tiny_sd3_path, prompt_file, tmp_path):
+    objective = DiffusionDPO(beta=50.0, pairs="rollout")
+
+    def run(root, max_steps, **fit):
+        module = learner(tiny_sd3_path, objective, num_steps=3)
+        trainer = make_trainer(tmp_path / root, max_steps=max_steps)
+        trainer.fit(module, datamodule=make_data(prompt_file), **fit)
+        return module, trainer
+
+    straight, trainer = run("a", 2)
+    # brightness differs within every group of 4: one pair per prompt, 2 prompts a step.
+    assert float(trainer.logged_metrics["actor/dpo_online_pairs"]) == 2.0
+    _, half = run("b", 1)
+    ckpt = tmp_path / "half.ckpt"
+    half.save_checkpoint(ckpt)
+    resumed, _ = run("c", 2, ckpt_path=ckpt)
+    a, b = lora_state(straight), lora_state(resumed)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+class _Recorder(L.Callback):
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0:
+            state = {k: v.detach().cpu().clone() for k, v in pl_module.named_parameters() if v.requires_grad}
+            torch.save(state, Path(self.out) / "weights.pt")
+
+
+def _ddp_run(path: str, index: str, out: Path, devices: int) -> None:
+    out.mkdir()
+    module = make_module(
+        path,
+        objective=DiffusionDPO(beta=50.0),
+        kl_coef=0.0,
+        guidance_scale=1.0,
+        optimizer_steps_per_rollout=1,
+        micro_batch_size=2,
+        # SGD: ranks that agree on the gradient agree on the weights (tests/test_ddp.py says why not Adam)
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp_spawn" if devices > 1 else "auto",
+        callbacks=[CloseProcessGroup(), _Recorder(str(out))],
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(module, datamodule=data_module(index, True))
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_equal_single_process(tiny_sd3_path, tmp_path):
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    index = write_images(tmp_path / "data", 8, size=SIZE, pairs=True)
+    _ddp_run(tiny_sd3_path, index, tmp_path / "one", 1)
+    _ddp_run(tiny_sd3_path, index, tmp_path / "two", 2)
+    a, b = torch.load(tmp_path / "one" / "weights.pt"), torch.load(tmp_path / "two" / "weights.pt")
+    init = {k: torch.zeros_like(v) if "lora_B" in k else v for k, v in a.items()}  # B starts at 0
+    moved = max(float((a[k] - init[k]).abs().max()) for k in a if "lora_B" in k)
+    assert moved > 0
+    # The same pairs, σ and ε on either side (seeded per sample id); two micro-batches summed by DDP's
+    # all-reduce instead of one process's accumulation: each gradient element reorders its sum over the
+    # 8 pairs × 2 images × 349 tokens of the tiny SD3 (tests/tolerances.py, Higham §4.2).
+    atol = moved * 8 * 2 * 349 * EPS32
+    assert all(torch.allclose(b[k], v, rtol=2 * EPS32, atol=atol) for k, v in a.items())
+    halved = {k: v / 2 for k, v in a.items() if "lora_B" in k}  # the check sees a halved step
+    assert not all(torch.allclose(b[k], v, rtol=0, atol=atol) for k, v in halved.items())
