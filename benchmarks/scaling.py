@@ -46,7 +46,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from profiling import ProfileSteps  # benchmarks/ siblings: the script's folder is on sys.path
-from throughput import TINY, BenchWanPolicy, tiny_spec
+from throughput import TINY, BenchWanPolicy, BenchZImagePolicy, bench_flux2_policy, tiny_spec
 from torch import Tensor, nn
 
 from lit_flowgrpo import (
@@ -99,6 +99,16 @@ SIZES: dict[str, dict[str, Any]] = {
     # the tiny pipeline's two-expert variant; its boundary (σ 0.875, flow shift 3) splits a rollout's
     # trained steps between the experts: of 10 steps, 4 high-noise and 5 low-noise; of 3, one each
     "wan_tiny_a14b": dict(tiny_spec("wan22a14b"), resolution=32, frames=5, recipe="wan22a14b"),
+    # Stable Diffusion 3.5 Large (8.1B), FLUX.2 klein 4B / 9B and dev (32B), Z-Image-Turbo (6.2B) at 512 px,
+    # and the tiny FLUX.2 / Z-Image pipelines' configs for a CPU check
+    "sd35l": dict(SPECS["sd35l"], resolution=512),
+    "flux2_klein4b": dict(SPECS["flux2_klein4b"], resolution=512),
+    "flux2_klein9b": dict(SPECS["flux2_klein9b"], resolution=512),
+    "flux2_dev": dict(SPECS["flux2_dev"], resolution=512),
+    "zimage_turbo": dict(SPECS["zimage_turbo"], resolution=512),
+    "flux2_tiny": dict(tiny_spec("flux2_klein4b"), resolution=32),
+    "flux2_dev_tiny": dict(tiny_spec("flux2_dev"), resolution=32),
+    "zimage_tiny": dict(tiny_spec("zimage_turbo"), resolution=32),
 }
 
 # What the family's recipe samples and trains with where it differs from the script's defaults
@@ -119,8 +129,9 @@ RECIPES: dict[str, dict[str, Any]] = {
     # low-noise one (Wan 2.2's diffusers example; Wan-Video/Wan2.2's sample_guide_scale (3.0, 4.0)).
     "wan22a14b": dict(guidance=4.0, guidance_2=3.0),
 }
-# FLUX.1-dev: guidance is an input embedding; Wan: the Wan recipes' 4.5
-DEFAULT_GUIDANCE = {"sd3": 4.5, "flux": 1.0, "qwenimage": 4.0, "wan": 4.5}
+# FLUX.1-dev: guidance is an input embedding; Wan: the Wan recipes' 4.5; FLUX.2 klein's CFG 4.0 (dev
+# ignores it: an input embedding); Z-Image-Turbo samples without CFG
+DEFAULT_GUIDANCE = {"sd3": 4.5, "flux": 1.0, "qwenimage": 4.0, "wan": 4.5, "flux2": 4.0, "zimage": 1.0}
 
 
 def recipe_of(size: str) -> dict[str, Any]:
@@ -285,11 +296,28 @@ def random_wan_policy(size: str) -> BenchWanPolicy:
     return BenchWanPolicy(SIZES[size], device, "bfloat16" if cuda else "float32", guidance_2)
 
 
+def random_flux2_policy(size: str) -> Any:
+    """benchmarks/throughput.py's FLUX.2 (klein or dev, by the spec's pipeline) on random weights, on the
+    rank's GPU."""
+    cuda = torch.cuda.is_available()
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
+    return bench_flux2_policy(SIZES[size], device, "bfloat16" if cuda else "float32")
+
+
+def random_zimage_policy(size: str) -> BenchZImagePolicy:
+    """benchmarks/throughput.py's Z-Image on random weights, on the rank's GPU."""
+    cuda = torch.cuda.is_available()
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
+    return BenchZImagePolicy(SIZES[size], device, "bfloat16" if cuda else "float32")
+
+
 POLICIES = {
     "sd3": RandomSD3Policy,
     "flux": RandomFluxPolicy,
     "qwenimage": RandomQwenImagePolicy,
     "wan": random_wan_policy,
+    "flux2": random_flux2_policy,
+    "zimage": random_zimage_policy,
 }
 
 

@@ -94,11 +94,13 @@ from lit_flowgrpo import (
 from lit_flowgrpo.callbacks import RLThroughputMonitor, available_flops
 from lit_flowgrpo.objective import DiffusionNFT, FlowDPPO, Objective
 from lit_flowgrpo.performance import PerformanceSettings
-from lit_flowgrpo.policies.base import Embeds, resolve_dtype
+from lit_flowgrpo.policies.base import Embeds, FlowPolicy, resolve_dtype
 from lit_flowgrpo.policies.flux import FluxPolicy
+from lit_flowgrpo.policies.flux2 import Flux2DevPolicy, Flux2KleinPolicy
 from lit_flowgrpo.policies.qwenimage import QwenImagePolicy
 from lit_flowgrpo.policies.sd3 import SD3Policy
 from lit_flowgrpo.policies.wan import WanPolicy
+from lit_flowgrpo.policies.zimage import ZImagePolicy
 from lit_flowgrpo.rewards import MultiReward
 from lit_flowgrpo.tiny.specs import SPECS
 
@@ -194,7 +196,17 @@ def tiny_spec(model: str) -> dict[str, Any]:
     """The tiny config of ``model`` for the CPU smoke run: :data:`TINY`'s, and for Wan the configs of
     the tiny pipeline the tests build (:mod:`lit_flowgrpo.tiny.wan`; its two-expert ``"a14b"`` variant
     for a two-expert model)."""
-    if SPECS[model]["family"] != "wan":
+    family = SPECS[model]["family"]
+    if family in ("flux2", "zimage"):
+        # the tiny pipelines' configs (lit_flowgrpo.tiny.flux2 / .zimage), dev with its guidance embedding
+        from lit_flowgrpo.tiny import flux2, zimage
+
+        if family == "flux2":
+            guidance = SPECS[model]["transformer"]["guidance_embeds"]
+            transformer = dict(flux2.TRANSFORMER, guidance_embeds=guidance)
+            return dict(SPECS[model], transformer=transformer, vae=flux2.VAE, text=dict(tokens=8, dim=48))
+        return dict(SPECS[model], transformer=zimage.TRANSFORMER, vae=zimage.VAE, text=dict(tokens=8, dim=16))
+    if family != "wan":
         return TINY[model]
     from lit_flowgrpo.tiny import wan
 
@@ -431,11 +443,85 @@ class BenchWanPolicy(_RandomWeights, WanPolicy):
         return {"prompt_embeds": _random_rows(prompt, (1, text["tokens"], text["dim"]), device, dtype)}
 
 
+class _BenchFlux2(_RandomWeights):
+    """What the FLUX.2 benchmark policies share: the spec's pipeline class (klein or dev) on random weights,
+    no text encoder; every prompt (the empty negative one too) maps to random rows of the padded length,
+    as the pipelines pad every prompt to ``max_sequence_length``."""
+
+    def load(self) -> None:
+        if self.pipe is not None:
+            return
+        import diffusers
+        from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+
+        transformer, vae, scheduler = self._build(Flux2Transformer2DModel, AutoencoderKLFlux2)
+        pipeline = getattr(diffusers, self.spec["pipeline"])
+        self.pipe = pipeline(
+            transformer=transformer, vae=vae, scheduler=scheduler, text_encoder=None, tokenizer=None
+        )
+        self._transformer, self.vae, self.text_encoder = transformer, vae, None
+
+    def _encode_one(self, prompt: str) -> Embeds:
+        text, device, dtype = self.spec["text"], self.build_device, self.build_dtype
+        return {"prompt_embeds": _random_rows(prompt, (1, text["tokens"], text["dim"]), device, dtype)}
+
+
+class BenchFlux2KleinPolicy(_BenchFlux2, Flux2KleinPolicy):
+    """:class:`Flux2KleinPolicy` on random weights from the config (CFG with the empty prompt)."""
+
+    def __init__(self, spec: dict[str, Any], device: str, dtype: str = "bfloat16") -> None:
+        Flux2KleinPolicy.__init__(
+            self, "random/flux2", dtype=dtype, max_sequence_length=spec["text"]["tokens"]
+        )
+        self._setup(spec, device, dtype)
+
+
+class BenchFlux2DevPolicy(_BenchFlux2, Flux2DevPolicy):
+    """:class:`Flux2DevPolicy` on random weights from the config (the guidance embedding at 4.0)."""
+
+    def __init__(self, spec: dict[str, Any], device: str, dtype: str = "bfloat16") -> None:
+        Flux2DevPolicy.__init__(self, "random/flux2", dtype=dtype, max_sequence_length=spec["text"]["tokens"])
+        self._setup(spec, device, dtype)
+
+
+def bench_flux2_policy(spec: dict[str, Any], device: str, dtype: str = "bfloat16") -> FlowPolicy:
+    """The FLUX.2 benchmark policy of the spec's pipeline: klein (``Flux2KleinPipeline``) or dev."""
+    dev = spec["pipeline"] == "Flux2Pipeline"
+    return (BenchFlux2DevPolicy if dev else BenchFlux2KleinPolicy)(spec, device, dtype)
+
+
+class BenchZImagePolicy(_RandomWeights, ZImagePolicy):
+    """:class:`ZImagePolicy` on random weights from the config; each prompt maps to random rows of the
+    spec's length, the empty negative prompt to 8 (the chat template's tokens around it)."""
+
+    def __init__(self, spec: dict[str, Any], device: str, dtype: str = "bfloat16") -> None:
+        ZImagePolicy.__init__(self, "random/zimage", dtype=dtype, max_sequence_length=spec["text"]["tokens"])
+        self._setup(spec, device, dtype)
+
+    def load(self) -> None:
+        if self.pipe is not None:
+            return
+        from diffusers import AutoencoderKL, ZImagePipeline, ZImageTransformer2DModel
+
+        transformer, vae, scheduler = self._build(ZImageTransformer2DModel, AutoencoderKL)
+        self.pipe = ZImagePipeline(
+            transformer=transformer, vae=vae, scheduler=scheduler, text_encoder=None, tokenizer=None
+        )
+        self._transformer, self.vae, self.text_encoder = transformer, vae, None
+
+    def _encode_one(self, prompt: str) -> Embeds:
+        text, device, dtype = self.spec["text"], self.build_device, self.build_dtype
+        tokens = text["tokens"] if prompt else min(8, text["tokens"])
+        return {"prompt_embeds": _random_rows(prompt, (1, tokens, text["dim"]), device, dtype)}
+
+
 POLICIES = {
     "sd3": BenchSD3Policy,
     "flux": BenchFluxPolicy,
+    "flux2": bench_flux2_policy,
     "qwenimage": BenchQwenImagePolicy,
     "wan": BenchWanPolicy,
+    "zimage": BenchZImagePolicy,
 }
 
 
