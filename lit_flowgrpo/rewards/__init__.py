@@ -6,7 +6,19 @@ only fails the reward that needs it. Plugins register their own rewards when imp
 world's ``shapes`` and ``shapes_video`` rewards come with ``import lit_flowgrpo.toy``.
 """
 
-from lit_flowgrpo.rewards import aesthetic, clip_score, geneval, group, jpeg, ocr, pickscore, video, vlm_judge
+from lit_flowgrpo.rewards import (
+    aesthetic,
+    clip_score,
+    geneval,
+    group,
+    hps,
+    image_reward,
+    jpeg,
+    ocr,
+    pickscore,
+    video,
+    vlm_judge,
+)
 from lit_flowgrpo.rewards.base import (
     DEFAULT_MODALITIES,
     MultiReward,
@@ -35,6 +47,8 @@ __all__ = [
     "clip_score",
     "geneval",
     "group",
+    "hps",
+    "image_reward",
     "jpeg",
     "modality_problems",
     "ocr",
