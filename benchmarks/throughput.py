@@ -97,6 +97,7 @@ from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies.base import Embeds, FlowPolicy, resolve_dtype
 from lit_flowgrpo.policies.flux import FluxPolicy
 from lit_flowgrpo.policies.flux2 import Flux2DevPolicy, Flux2KleinPolicy
+from lit_flowgrpo.policies.hunyuanvideo15 import HunyuanVideo15Policy
 from lit_flowgrpo.policies.qwenimage import QwenImagePolicy
 from lit_flowgrpo.policies.sd3 import SD3Policy
 from lit_flowgrpo.policies.wan import WanPolicy
@@ -206,6 +207,13 @@ def tiny_spec(model: str) -> dict[str, Any]:
             transformer = dict(flux2.TRANSFORMER, guidance_embeds=guidance)
             return dict(SPECS[model], transformer=transformer, vae=flux2.VAE, text=dict(tokens=8, dim=48))
         return dict(SPECS[model], transformer=zimage.TRANSFORMER, vae=zimage.VAE, text=dict(tokens=8, dim=16))
+    if family == "hunyuanvideo15":  # the tiny pipeline's configs (lit_flowgrpo.tiny.hunyuanvideo15)
+        from lit_flowgrpo.tiny import hunyuanvideo15 as tiny
+
+        text = dict(
+            SPECS[model]["text"], tokens=16, dim=tiny.TEXT_DIM, glyph_dim=tiny.GLYPH_DIM, image_dim=16
+        )
+        return dict(SPECS[model], transformer=tiny.transformer_config(), vae=tiny.VAE, text=text)
     if family != "wan":
         return TINY[model]
     from lit_flowgrpo.tiny import wan
@@ -515,12 +523,68 @@ class BenchZImagePolicy(_RandomWeights, ZImagePolicy):
         return {"prompt_embeds": _random_rows(prompt, (1, tokens, text["dim"]), device, dtype)}
 
 
+class BenchHunyuanVideo15Policy(_RandomWeights, HunyuanVideo15Policy):
+    """:class:`HunyuanVideo15Policy` on random weights from the config; the Qwen2.5-VL states are random
+    rows of the padded length (1000), the first 128 valid (a long prompt; the transformer attends over
+    all of them, masked or not, so the cost is the same), and the ByT5 glyph rows zeros and masked, as
+    the pipeline encodes a prompt that quotes no text. The VAE in the model's dtype, as the recipe."""
+
+    #: Qwen2.5-VL tokens marked valid in the mask.
+    valid_tokens = 128
+
+    def __init__(self, spec: dict[str, Any], device: str, dtype: str = "bfloat16") -> None:
+        HunyuanVideo15Policy.__init__(
+            self,
+            "random/hunyuanvideo15",
+            dtype=dtype,
+            vae_dtype=dtype,
+            max_sequence_length=spec["text"]["tokens"],
+        )
+        self._setup(spec, device, dtype)
+
+    def load(self) -> None:
+        if self.pipe is not None:
+            return
+        from diffusers import (
+            AutoencoderKLHunyuanVideo15,
+            ClassifierFreeGuidance,
+            HunyuanVideo15Pipeline,
+            HunyuanVideo15Transformer3DModel,
+        )
+
+        transformer, vae, scheduler = self._build(
+            HunyuanVideo15Transformer3DModel, AutoencoderKLHunyuanVideo15
+        )
+        none = dict.fromkeys(("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"))
+        guider = ClassifierFreeGuidance(**self.spec["guider"])
+        self.pipe = HunyuanVideo15Pipeline(
+            transformer=transformer, vae=vae, scheduler=scheduler, guider=guider, **none
+        )
+        self.pipe.set_progress_bar_config(disable=True)
+        self._transformer, self.vae = transformer, vae
+        self.text_encoder = self.text_encoder_2 = None
+
+    def _encode_one(self, prompt: str) -> Embeds:
+        text, device, dtype = self.spec["text"], self.build_device, self.build_dtype
+        mask = torch.zeros(1, text["tokens"], device=device, dtype=dtype)
+        mask[:, : self.valid_tokens] = 1
+        return {
+            "prompt_embeds": _random_rows(prompt, (1, text["tokens"], text["dim"]), device, dtype),
+            "prompt_embeds_mask": mask,
+            "prompt_embeds_2": torch.zeros(
+                1, text["glyph_tokens"], text["glyph_dim"], device=device, dtype=dtype
+            ),
+            "prompt_embeds_mask_2": torch.zeros(1, text["glyph_tokens"], device=device, dtype=dtype),
+        }
+
+
 POLICIES = {
     "sd3": BenchSD3Policy,
     "flux": BenchFluxPolicy,
     "flux2": bench_flux2_policy,
     "qwenimage": BenchQwenImagePolicy,
     "wan": BenchWanPolicy,
+    "hunyuanvideo15": BenchHunyuanVideo15Policy,
     "zimage": BenchZImagePolicy,
 }
 
@@ -1121,7 +1185,7 @@ def run_rollout(spec: dict[str, Any], variant: Variant, args: argparse.Namespace
     size = _sample_settings(args)
     family = spec["family"]
     policy = POLICIES[family](spec, args.device, args.dtype)
-    guidance = {"sd3": 4.5, "flux": 3.5, "qwenimage": 4.0, "wan": 4.5}[family]
+    guidance = {"sd3": 4.5, "flux": 3.5, "qwenimage": 4.0, "wan": 4.5, "hunyuanvideo15": 6.0}[family]
     module = FlowGRPOModule(
         policy=policy,
         reward=brightness,
@@ -1468,7 +1532,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--reward {args.reward!r}: choose brightness, pickscore_sized, ocr or remote:<latency_ms>")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    video = SPECS[args.model]["family"] == "wan"
+    video = SPECS[args.model]["family"] in ("wan", "hunyuanvideo15")
     if args.frames > 1 and not video:
         p.error(f"--frames {args.frames}: --model {args.model} draws images; choose a video model")
     if video and args.reward != "brightness":
