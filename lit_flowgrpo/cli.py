@@ -573,6 +573,10 @@ def _run_dir(trainer: L.Trainer) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     words = list(sys.argv[1:] if argv is None else argv)
     try:
+        if words[:1] == ["serve-reward"]:  # a server, not a Trainer method: its own parser
+            from lit_flowgrpo.rewards.server import main as serve_reward
+
+            return serve_reward(words[1:])
         FlowGRPOCLI(args=words)
     except SettingsError as err:
         # Every rank of a multi-process run raises the same check's error: the first process of each

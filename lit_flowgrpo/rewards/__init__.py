@@ -16,6 +16,7 @@ from lit_flowgrpo.rewards import (
     jpeg,
     ocr,
     pickscore,
+    served,
     video,
     vlm_judge,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "pickscore",
     "register_reward",
     "reward_modalities",
+    "served",
     "video",
     "vlm_judge",
 ]
