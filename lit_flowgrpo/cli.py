@@ -109,8 +109,10 @@ class FlowGRPOTrainer(L.Trainer):
         overwrite: bool = False,
         use_ema: bool = True,
         weights_only: bool | None = None,
+        license: str | None = None,
     ) -> None:
-        """Write a checkpoint's trained weights for diffusers: a LoRA adapter or a transformer folder.
+        """Write a checkpoint's trained weights for diffusers (a LoRA adapter or a transformer folder) and
+        its run card (``README.md``, a Hugging Face Hub model card: :mod:`lit_flowgrpo.run_card`).
 
         Args:
             model: the run's module (from ``--config`` and ``--model.…`` overrides).
@@ -123,6 +125,9 @@ class FlowGRPOTrainer(L.Trainer):
                 export is written beside ``out`` and takes its place once complete.
             use_ema: export the EMA weights if the checkpoint has them.
             weights_only: unused; accepted so that the ``config.yaml`` a ``fit`` run saved loads as is.
+            license: the exported weights' license for the card's metadata (a Hub license id, such as
+                ``apache-2.0`` or ``other``); ``None`` leaves it out: a fine-tune's license follows its
+                base model's, which the run does not record.
         """
         del datamodule, weights_only
         if ckpt_path is None or out is None:
@@ -135,7 +140,10 @@ class FlowGRPOTrainer(L.Trainer):
         if problems:
             raise SettingsError("; ".join(problems))
         model.load_trainable_checkpoint(ckpt_path, use_ema=use_ema)
-        rank_zero_info(f"exported {ckpt_path}: {model.export(out, overwrite=overwrite)}")
+        from lit_flowgrpo.run_card import write_export
+
+        written = write_export(model, ckpt_path, out, overwrite=overwrite, use_ema=use_ema, license=license)
+        rank_zero_info(f"exported {ckpt_path}: {written}")
 
 
 class LogRunConfig(SaveConfigCallback):
@@ -415,6 +423,12 @@ class FlowGRPOCLI(LightningCLI):
                     "enable_model_summary": False,
                     **kwargs,
                 }
+            # Every checkpoint of every run carries its run card (lit_flowgrpo.run_card), unless the
+            # config names the recorder itself.
+            from lit_flowgrpo.callbacks.run_card import RunCardRecorder
+
+            if self.subcommand == "fit" and not any(isinstance(c, RunCardRecorder) for c in callbacks):
+                kwargs["callbacks"] = [*kwargs.get("callbacks", callbacks), RunCardRecorder()]
         return super().instantiate_trainer(**kwargs)
 
     def before_instantiate_classes(self) -> None:

@@ -55,6 +55,7 @@ LAYERS: dict[str, int] = {
     "module": 6,
     # 7: what stands on the module: callbacks, the command line
     "callbacks": 7,
+    "run_card": 7,
     "cli_diagnosis": 7,
     "cli_checks": 7,
     "cli_resume": 7,

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from lit_flowgrpo.cli import FlowGRPOCLI, main
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
+CARD_FILE = "README.md"  # the run card (lit_flowgrpo.run_card), beside the weights
 
 
 def _fit(pretrained: str, root: Path, *extra: str) -> dict[str, Path]:
@@ -131,11 +132,11 @@ def test_out_holding_an_earlier_export_needs_overwrite(
     out = tmp_path / "lora"
     _export(lora_run, out)
     before = _entries(out)
-    assert list(before) == [LORA_FILE]
+    assert list(before) == [CARD_FILE, LORA_FILE]
 
     _forbid_instantiation(monkeypatch)
     err = _refused(lora_run, out, capfd)
-    assert f"--out ({out}) is not empty (it holds {LORA_FILE}): pass --overwrite=true" in err
+    assert f"--out ({out}) is not empty (it holds {CARD_FILE}, {LORA_FILE}): pass --overwrite=true" in err
     assert _entries(out) == before
 
 
@@ -143,7 +144,7 @@ def test_an_empty_existing_folder_takes_the_export(lora_run: dict[str, Path], tm
     out = tmp_path / "lora"
     out.mkdir()
     _export(lora_run, out)
-    assert list(_entries(out)) == [LORA_FILE]
+    assert list(_entries(out)) == [CARD_FILE, LORA_FILE]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -164,7 +165,7 @@ def test_overwrite_replaces_a_full_finetune_with_an_adapter_wholly(
         _export(lora_run, out, "--overwrite=true")
     assert f"the LoRA adapter to {out}" in caplog.text
     # Exactly what an export into a new folder writes: nothing of the full fine-tune is left.
-    assert list(_entries(out)) == list(_entries(fresh)) == [LORA_FILE]
+    assert list(_entries(out)) == list(_entries(fresh)) == [CARD_FILE, LORA_FILE]
     assert load_file(out / LORA_FILE).keys() == load_file(fresh / LORA_FILE).keys()
     # No staging or previous folder is left beside it.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "fresh"]

@@ -13,6 +13,8 @@
   with the reward and the last validation score.
 - :class:`OverOptimizationMonitor` (``over_optimization.py``): ``rollout/diversity``,
   ``val-aux/diversity`` and ``val-aux/drift``, signs of over-optimisation in the images themselves.
+- :class:`RunCardRecorder` (``run_card.py``): the run card (:mod:`lit_flowgrpo.run_card`) in every
+  checkpoint; ``lit-flowgrpo fit`` adds one to every run.
 
 They read what ``FlowGRPOModule``'s steps return (:mod:`lit_flowgrpo.step_output`); any key may be
 missing, so a user's own module that returns less gets what can be logged from it. In YAML:
@@ -24,6 +26,7 @@ from lit_flowgrpo.callbacks.final_checkpoint import FinalCheckpoint
 from lit_flowgrpo.callbacks.images import SampleImageLogger
 from lit_flowgrpo.callbacks.over_optimization import OverOptimizationMonitor
 from lit_flowgrpo.callbacks.progress import RolloutProgressBar
+from lit_flowgrpo.callbacks.run_card import RunCardRecorder
 from lit_flowgrpo.callbacks.throughput import (
     RLThroughputMonitor,
     available_flops,
@@ -38,6 +41,7 @@ __all__ = [
     "OverOptimizationMonitor",
     "RLThroughputMonitor",
     "RolloutProgressBar",
+    "RunCardRecorder",
     "SampleImageLogger",
     "TrainableEMA",
     "available_flops",

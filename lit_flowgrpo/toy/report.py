@@ -41,6 +41,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 from PIL import Image, ImageDraw, ImageFont
 
+from lit_flowgrpo.run_card import HeldOutGain, ProxyGap
+
 
 class HeldOutReport(L.Callback):
     """Track a validation reward component from the first validation to the last.
@@ -255,6 +257,20 @@ class HeldOutReport(L.Callback):
         if len(d) < 2:
             return None
         return float(d.mean()), float(d.std() / len(d) ** 0.5), len(d)
+
+    def held_out_gain(self) -> HeldOutGain | None:
+        """The base model's value, the last evaluation's and their paired gain, for the run card
+        (:class:`~lit_flowgrpo.run_card.HeldOutSource`); None before an evaluation after training began."""
+        if self.base is None or not self.history or self.history[-1][0] == 0:
+            return None
+        n, tuned = self.history[-1]
+        paired = self.paired_gain() or (None, None, None)
+        proxy, gap = self.proxy_history, None
+        if self.proxy is not None and len(proxy) > 1 and proxy[0][0] == 0 and proxy[-1][0] == n:
+            gap = ProxyGap(self.proxy, proxy[0][1], proxy[-1][1], proxy[0][2], proxy[-1][2])
+        return HeldOutGain(
+            self.component, self.base[0], self.base[1], tuned, self.counts[-1], n, *paired, proxy=gap
+        )
 
     @rank_zero_only
     def _say(self, line: str, trainer: L.Trainer | None = None) -> None:
