@@ -62,7 +62,7 @@ from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.rewards.base import checked_output, scores_groups
 from lit_flowgrpo.rewards.registry import build_reward, qualname
 
-__all__ = ["ServerSettings", "main", "parse_request", "running", "serve"]
+__all__ = ["ServerSettings", "main", "parse", "parse_request", "running", "serve"]
 
 #: The component name of a reward that returns one Tensor.
 SCORE = "score"
@@ -76,7 +76,7 @@ class ServerSettings:
 
     Args:
         reward: the registered reward to serve, by name.
-        config: its constructor's arguments.
+        reward_config: its constructor's arguments.
         plugins: modules to import first, which register their rewards (``lit_flowgrpo.toy`` for the
             shapes world's).
         host: the address to listen on; ``127.0.0.1`` serves this machine only.
@@ -90,7 +90,7 @@ class ServerSettings:
     """
 
     reward: str = "jpeg_compressibility"
-    config: dict[str, Any] = field(default_factory=dict)
+    reward_config: dict[str, Any] = field(default_factory=dict)
     plugins: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = 18086
@@ -385,7 +385,7 @@ def build(settings: ServerSettings) -> RewardServer:
         except ImportError as err:
             raise SettingsError(f"--plugins names {module!r}, which does not import: {err}") from err
     try:
-        reward = build_reward(settings.reward, **settings.config)
+        reward = build_reward(settings.reward, **settings.reward_config)
     except ValueError as err:
         raise SettingsError(f"--reward {settings.reward!r}: {err}") from err
     return RewardServer(reward, settings.reward, settings)
@@ -474,11 +474,11 @@ def _config_path(value: str) -> str:
     raise SettingsError(f"--config {value!r} is neither a file nor a shipped server config ({names})")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """``lit-flowgrpo serve-reward [--config FILE|NAME] [--reward NAME] [--port N] ...``."""
+def parse(argv: Sequence[str]) -> ServerSettings:
+    """The settings of a ``serve-reward`` command line (``--config FILE|NAME`` and flags, later ones win)."""
     from jsonargparse import ActionConfigFile, ArgumentParser
 
-    words = list(sys.argv[1:] if argv is None else argv)
+    words = list(argv)
     for i, word in enumerate(words[:-1]):
         if word == "--config":
             words[i + 1] = _config_path(words[i + 1])
@@ -488,5 +488,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML file, or a shipped config's name")
     parser.add_class_arguments(ServerSettings)
     cfg = parser.parse_args(words)
-    values = {f.name: cfg[f.name] for f in dataclasses.fields(ServerSettings)}
-    serve(ServerSettings(**values))
+    return ServerSettings(**{f.name: cfg[f.name] for f in dataclasses.fields(ServerSettings)})
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``lit-flowgrpo serve-reward [--config FILE|NAME] [--reward NAME] [--port N] ...``."""
+    serve(parse(sys.argv[1:] if argv is None else argv))

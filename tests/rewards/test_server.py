@@ -18,7 +18,7 @@ from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.rewards import MultiReward, build_reward, register_reward
 from lit_flowgrpo.rewards.images import to_uint8
 from lit_flowgrpo.rewards.served import ServedReward
-from lit_flowgrpo.rewards.server import ServerSettings, build, running
+from lit_flowgrpo.rewards.server import ServerSettings, build, parse, running
 
 
 @register_reward("recorder_for_server_tests")
@@ -183,7 +183,19 @@ def test_settings_and_group_rewards_are_refused_before_serving() -> None:
     with pytest.raises(SettingsError, match="max_batch_size"):
         build(ServerSettings(max_batch_size=0))
     with pytest.raises(SettingsError, match="scores whole groups"):
-        build(ServerSettings(reward="group_rank", config={"reward": "jpeg_compressibility"}))
+        build(ServerSettings(reward="group_rank", reward_config={"reward": "jpeg_compressibility"}))
     with pytest.raises(SettingsError, match="does not import"):
         build(ServerSettings(plugins=["no_such_module_here"]))
     assert callable(build_reward("served"))
+
+
+def test_the_command_line_reads_a_shipped_config_and_flags_over_it() -> None:
+    settings = parse(["--config", "reward_server/shapes", "--port", "0", "--max_batch_size", "8"])
+    assert (settings.reward, settings.plugins, settings.port, settings.max_batch_size) == (
+        "shapes",
+        ["lit_flowgrpo.toy"],
+        0,
+        8,
+    )
+    with pytest.raises(SettingsError, match="neither a file nor a shipped server config"):
+        parse(["--config", "no_such_server"])
