@@ -635,3 +635,67 @@ def test_tiny_a14b_recipe_exports_both_experts_and_resumes(
     )
     assert resumed.trainer.global_step == 4
     assert math.isfinite(float(resumed.trainer.logged_metrics["actor/loss"]))
+
+
+# --------------------------------------------------------------------------------------------------
+# Recipes from sources other than flow_grpo (their own batch arithmetic, no EMA): the source's numbers,
+# and one rollout on the tiny pipeline of their family
+# --------------------------------------------------------------------------------------------------
+
+#: DanceGRPO scripts/finetune/finetune_flux_grpo_8gpus_lora.sh: 8 GPUs x 2 prompts x 12 generations,
+#: one image per backward, an optimizer step every 12 of a GPU's 24 images; HPS v2.1 the reward.
+OTHER_SOURCES: dict[str, dict[str, Any]] = {
+    "flux_hpsv2_dancegrpo": {
+        "gpus": 8,
+        "prompts_per_step": 16,
+        "group_size": 12,
+        "micro_batch_size": 1,
+        "optimizer_steps_per_rollout": 2,
+        "num_steps": 12,
+        "timestep_fraction": 0.6,
+        "noise_level": 0.3,
+        "sde_type": "dance",
+        "clip_range": 1e-4,
+        "lr": 3e-4,
+        "lora_rank": 128,
+        "lora_alpha": 256,
+        "height": 720,
+        "reward": "hpsv2",
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_SOURCES))
+def test_other_source_recipe_matches_and_runs_one_rollout(
+    name: str, request: pytest.FixtureRequest, prompt_file: str, tmp_path: Path
+) -> None:
+    want = OTHER_SOURCES[name]
+    raw = _load(CONFIG_DIR / f"{name}.yaml")
+    trainer, model, data = raw["trainer"], raw["model"]["init_args"], raw["data"]["init_args"]
+    sampler, update = model["sampler"], model["update"]
+    assert trainer["devices"] * trainer["num_nodes"] == want["gpus"]
+    assert (data["prompts_per_step"], data["group_size"]) == (want["prompts_per_step"], want["group_size"])
+    per_gpu = data["prompts_per_step"] * data["group_size"] // want["gpus"]
+    assert per_gpu // update["micro_batch_size"] // update["optimizer_steps_per_rollout"] == 12  # accumulation
+    assert (update["micro_batch_size"], update["optimizer_steps_per_rollout"]) == (
+        want["micro_batch_size"],
+        want["optimizer_steps_per_rollout"],
+    )
+    for key in ("num_steps", "timestep_fraction", "noise_level", "sde_type", "height"):
+        assert sampler[key] == want[key], key
+    assert model["objective"]["init_args"]["clip_range"] == want["clip_range"]
+    assert model["optimizer"]["init_args"]["lr"] == want["lr"]
+    lora = model["weights"]["lora"]
+    assert (lora["rank"], lora["alpha"]) == (want["lora_rank"], want["lora_alpha"])
+    assert list(model["reward"]["init_args"]["weights"]) == [want["reward"]]
+
+    fixture = FAMILY_FIXTURE[model["policy"]["class_path"]]
+    cfg = _tiny_run_config(raw, request.getfixturevalue(fixture), prompt_file, tmp_path)
+    cfg["model"]["init_args"]["sampler"]["num_steps"] = 5  # 0.6 x 5: 3 trained steps
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cli = FlowGRPOCLI(args=["fit", "--config", str(path)])
+    assert cli.trainer.global_step == 2  # one rollout, the recipe's 2 optimizer steps
+    assert cli.model.sampler.sde_type == want["sde_type"]
+    logged = {k: float(v) for k, v in cli.trainer.logged_metrics.items()}
+    assert math.isfinite(logged["actor/loss"]) and logged["reward/failure_rate"] == 0.0
