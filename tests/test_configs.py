@@ -676,7 +676,8 @@ def test_other_source_recipe_matches_and_runs_one_rollout(
     assert trainer["devices"] * trainer["num_nodes"] == want["gpus"]
     assert (data["prompts_per_step"], data["group_size"]) == (want["prompts_per_step"], want["group_size"])
     per_gpu = data["prompts_per_step"] * data["group_size"] // want["gpus"]
-    assert per_gpu // update["micro_batch_size"] // update["optimizer_steps_per_rollout"] == 12  # accumulation
+    micro_batches = per_gpu // update["micro_batch_size"]
+    assert micro_batches // update["optimizer_steps_per_rollout"] == 12  # gradient_accumulation_steps
     assert (update["micro_batch_size"], update["optimizer_steps_per_rollout"]) == (
         want["micro_batch_size"],
         want["optimizer_steps_per_rollout"],
