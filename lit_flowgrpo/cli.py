@@ -6,6 +6,7 @@
     lit-flowgrpo validate --config configs/tiny_sd3.yaml --ckpt_path last
     lit-flowgrpo fit --config configs/tiny_sd3.yaml --print_config
     lit-flowgrpo export --config RUN/config.yaml --ckpt_path last --out exported/
+    lit-flowgrpo serve-reward --config reward_server/shapes   # a reward over HTTP (lit_flowgrpo.rewards.server)
 
 Model and data are chosen by ``class_path`` (``FlowGRPOModule`` for RL, the toy pretraining
 module for the base model), and scale comes from the Trainer's own flags

@@ -22,7 +22,7 @@ values. The cost: one gather of the inputs, which for a reward on images (a pair
 rank's images as uint8, (R - 1)·B·3·H·W bytes received per rank and step (B samples per rank: 12
 images of 512² are 9 MB a rank; 1152 on 32 ranks, flow_grpo's step, 0.9 GB); a reward with a
 ``prepare`` sends only what it makes (4 bytes a sample for a rank reward). The prompts and metadata go
-by ``all_gather_object`` (pickled between the run's own ranks), and three small gathers of flags keep
+by ``all_gather_object`` (pickled between the run's own ranks), and two small gathers of flags keep
 the ranks in step when one fails: a group reward that raises on one rank raises on all of them.
 
 A group reward is never scored chunk by chunk beside the sampler, and outside a training step (in
