@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "AdvantageSettings": "lit_flowgrpo.advantages",
     "DiagnosticsSettings": "lit_flowgrpo.metrics",
+    "DiffusionDPO": "lit_flowgrpo.data_objective",
     "DiversityBonus": "lit_flowgrpo.advantages",
     "FlowDPPO": "lit_flowgrpo.objective",
     "FlowGRPO": "lit_flowgrpo.objective",
@@ -22,6 +23,7 @@ _EXPORTS = {
     "GRPOGuard": "lit_flowgrpo.objective",
     "GRPOGuardRatioNorm": "lit_flowgrpo.objective",
     "GroupSampler": "lit_flowgrpo.data",
+    "ImageDataModule": "lit_flowgrpo.image_data",
     "KLGate": "lit_flowgrpo.kl",
     "KLSettings": "lit_flowgrpo.kl",
     "LoraSettings": "lit_flowgrpo.weights",
@@ -31,13 +33,16 @@ _EXPORTS = {
     "PromptBatch": "lit_flowgrpo.data",
     "PromptDataModule": "lit_flowgrpo.data",
     "ReferenceSettings": "lit_flowgrpo.kl",
+    "SFT": "lit_flowgrpo.data_objective",
     "Sampler": "lit_flowgrpo.rollout",
     "UpdateSettings": "lit_flowgrpo.update",
 }
 
 __all__ = [
+    "SFT",
     "AdvantageSettings",
     "DiagnosticsSettings",
+    "DiffusionDPO",
     "DiversityBonus",
     "FSDP2Strategy",
     "FlowDPPO",
@@ -46,6 +51,7 @@ __all__ = [
     "GRPOGuard",
     "GRPOGuardRatioNorm",
     "GroupSampler",
+    "ImageDataModule",
     "KLGate",
     "KLSettings",
     "LoraSettings",
@@ -62,6 +68,8 @@ __all__ = [
 if TYPE_CHECKING:
     from lit_flowgrpo.advantages import AdvantageSettings, DiversityBonus
     from lit_flowgrpo.data import GroupSampler, PromptBatch, PromptDataModule
+    from lit_flowgrpo.data_objective import SFT, DiffusionDPO
+    from lit_flowgrpo.image_data import ImageDataModule
     from lit_flowgrpo.kl import KLGate, KLSettings, ReferenceSettings
     from lit_flowgrpo.metrics import DiagnosticsSettings
     from lit_flowgrpo.module import FlowGRPOModule

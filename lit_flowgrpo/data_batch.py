@@ -10,16 +10,32 @@ for one process and for N ranks; rows that train nothing (no pair) are marked in
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lit_flowgrpo.algorithms import preference_pairs
+from lit_flowgrpo.data import PromptBatch
 from lit_flowgrpo.distributed import DataParallel
+from lit_flowgrpo.errors import flag
+from lit_flowgrpo.image_data import ImageBatch, ImageDataModule
 from lit_flowgrpo.policies.base import Embeds, FlowPolicy
+from lit_flowgrpo.step_output import StageClock, StepOutput
 
-__all__ = ["DataBatch", "encode_images", "rollout_pairs"]
+__all__ = [
+    "DataBatch",
+    "data_problems",
+    "data_step",
+    "data_step_output",
+    "encode_images",
+    "images_batch",
+    "rollout_pairs",
+    "stage_timings",
+]
 
 
 @dataclass
@@ -90,14 +106,56 @@ def encode_images(policy: FlowPolicy, images: Tensor) -> Tensor:
     return latents
 
 
+def images_batch(policy: FlowPolicy, batch: Any, device: torch.device) -> DataBatch:
+    """The :class:`DataBatch` of a data module's :class:`~lit_flowgrpo.image_data.ImageBatch`: its prompts
+    and images (a pair's rejected ones too) encoded by the policy, every row kept."""
+    if not isinstance(batch, ImageBatch) or batch.images is None:
+        raise TypeError(
+            "an objective that learns from images needs --data=lit_flowgrpo.image_data.ImageDataModule"
+        )
+    latents = encode_images(policy, batch.images.to(device))
+    rejected = None if batch.rejected is None else encode_images(policy, batch.rejected.to(device))
+    keep = torch.ones(len(batch), dtype=torch.bool, device=device)
+    return DataBatch(
+        latents, policy.encode_prompts(batch.prompts), batch.sample_ids.to(device), keep, rejected
+    )
+
+
+def data_step_output(
+    batch: ImageBatch, data: DataBatch, done: Any, timings: dict[str, float], frames: int
+) -> StepOutput:
+    """What a step on the data module's images returns to the callbacks: its images, no reward (NaN)."""
+    nan = torch.full((len(data),), math.nan, device=data.keep.device)
+    assert batch.images is not None  # images_batch checked it
+    return StepOutput(
+        timings=timings,
+        num_images=len(data),
+        frames_per_sample=frames,
+        transformer_forwards={
+            "gen": 0,
+            "old_log_prob": 0,
+            "ref": done.forwards["ref"],
+            "update_actor": done.forwards["update"],
+        },
+        images=batch.images.to(data.keep.device),
+        prompts=list(batch.prompts),
+        rewards=nan,
+        sample_ids=data.sample_ids,
+        advantages=torch.zeros_like(nan),
+        keep=data.keep,
+        trained_sample_ids=done.trained,
+        kept_per_rank=done.kept_per_rank,
+    )
+
+
 def rollout_pairs(
     final: Tensor,
     embeds: Embeds,
     rewards: Tensor,
-    group_ids: Tensor,
-    sample_ids: Tensor,
+    batch: PromptBatch,
     dp: DataParallel,
-) -> tuple[DataBatch, int]:
+    log: Callable[..., Any] | None = None,
+) -> DataBatch:
     """Online Diffusion-DPO's pairs from this step's rollout: in each group (over every rank) the sample
     with the highest reward is chosen and the one with the lowest rejected
     (:func:`~lit_flowgrpo.algorithms.preference_pairs`). The pair trains on the rank that holds its
@@ -108,14 +166,14 @@ def rollout_pairs(
         final: (B, *latent) this rank's final latents.
         embeds: their conditioning.
         rewards: (B,) this rank's total rewards (NaN: unscored).
-        group_ids: (B,) int64.
-        sample_ids: (B,) int64, unique over the ranks.
+        batch: this rank's prompt batch (its group and sample ids).
         dp: the data-parallel peers.
+        log: ``LightningModule.log``, given the pairs over every rank (``actor/dpo_online_pairs``).
 
     Returns:
-        The batch (B rows, ``keep`` on the rows that hold a chosen sample) and the pairs over every rank.
+        The batch: B rows, ``keep`` on the rows that hold a chosen sample.
     """
-    device = final.device
+    device, group_ids, sample_ids = final.device, batch.group_ids, batch.sample_ids
     all_rewards = dp.gather(rewards.float().to(device))
     all_groups = dp.gather(group_ids.to(device))
     all_ids = dp.gather(sample_ids.to(device))
@@ -128,5 +186,63 @@ def rollout_pairs(
         if first <= c < first + len(final):
             keep[c - first] = True
             rejected_latents[c - first] = all_final[r]
-    batch = DataBatch(final.float(), embeds, sample_ids.to(device), keep, rejected_latents.float())
-    return batch, len(chosen)
+    if log is not None:
+        log("actor/dpo_online_pairs", float(len(chosen)), on_step=True, on_epoch=False)
+    return DataBatch(final.float(), embeds, sample_ids.to(device), keep, rejected_latents.float())
+
+
+def data_problems(objective: Any, sampler: Any, dm: Any, full_fine_tune: bool, kl: Any) -> list[str]:
+    """The objective against the data module and the weights, at setup (before any weight is read):
+    images for the objectives that learn from them, pairs for offline Diffusion-DPO, the images' size the
+    sampler's, a frozen reference for a full fine-tune whose loss uses one."""
+    name, source = type(objective).__name__, objective.learns_from
+    p = []
+    # Both forms of Diffusion-DPO (the objectives that learn from pairs) compute with the reference.
+    if source in ("data_pairs", "rollout_pairs") and full_fine_tune and not kl.reference.copy:
+        p.append(
+            f"{name} with a full fine-tune ({flag('weights')}.lora=null) needs {flag('kl')}.reference.copy=true: "
+            "its loss compares with a frozen copy of the initial transformer"
+        )
+    if dm is None:
+        return p
+    if source not in ("data", "data_pairs"):
+        if isinstance(dm, ImageDataModule) and dm.group_size < 2:
+            p.append(
+                f"--data.init_args.group_size ({dm.group_size}) must be at least 2 with {name}: it compares a group"
+            )
+        return p
+    if not isinstance(dm, ImageDataModule):
+        return [
+            *p,
+            f"--data={type(dm).__name__}: {name} learns from images, use lit_flowgrpo.image_data.ImageDataModule",
+        ]
+    if source == "data_pairs" and not dm.pairs:
+        p.append(
+            f"--data.init_args.pairs must be true with {name}(pairs=data): it learns from preference pairs"
+        )
+    if (dm.height, dm.width) != (sampler.height, sampler.width):
+        p.append(
+            f"--data.init_args.height/width ({dm.height}x{dm.width}) must be the sampler's {flag('sampler')}.height/"
+            f"width ({sampler.height}x{sampler.width}): the model learns the images at the size it samples"
+        )
+    return p
+
+
+def stage_timings(clock: StageClock, reference_s: float) -> dict[str, float]:
+    """The step's stage times, the reference's forwards (``ref``) taken out of ``update_actor``."""
+    clock.end()
+    timings = clock.timings
+    timings["ref"], timings["update_actor"] = reference_s, timings["update_actor"] - reference_s
+    return timings
+
+
+def data_step(
+    policy: FlowPolicy, batch: Any, clock: StageClock, update: Callable, log_step: Callable, frames: int
+) -> StepOutput:
+    """A training step on the data module's images (SFT, offline Diffusion-DPO): encode (the ``gen``
+    stage), then the module's ``update`` of the :class:`DataBatch` and its ``log_step`` without rewards."""
+    data = images_batch(policy, batch, clock.device)
+    clock.begin("update_actor")
+    done = update(data, batch.step, clock)
+    log_step(rewards=False)
+    return data_step_output(batch, data, done, stage_timings(clock, done.reference_s), frames)

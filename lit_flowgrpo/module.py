@@ -1,15 +1,11 @@
 """`FlowGRPOModule`: sample → score → advantages → update → log, one rollout batch per training step.
 
 Each stage has one owner that validates its settings once (DESIGN.md, "One training step"): the
-:class:`~lit_flowgrpo.rollout.Sampler` draws, the reward (:mod:`lit_flowgrpo.rewards`) scores,
-:class:`AdvantageSettings` turn every rank's rewards into advantages, the
-:class:`~lit_flowgrpo.objective.Objective` says what a visit of the update costs and
-:func:`~lit_flowgrpo.update.run_update` walks the batch (:class:`UpdateSettings`). What is trained and
-its copies are :class:`~lit_flowgrpo.weights.TrainableWeights` and :mod:`lit_flowgrpo.copies`; the KL
-regulariser is :class:`~lit_flowgrpo.kl.KLSettings`; every part with state sits in one
-:class:`~lit_flowgrpo.parts.Parts` list, checkpointed, restored and moved after each update in one loop.
-
-Optimization is manual: one batch feeds several optimizer steps.
+:class:`~lit_flowgrpo.rollout.Sampler` draws, the reward scores, :class:`AdvantageSettings` make
+advantages, the :class:`~lit_flowgrpo.objective.Objective` says what a visit costs (objectives that learn
+from images: :mod:`lit_flowgrpo.data_objective`), :func:`~lit_flowgrpo.update.run_update` walks the batch.
+Weights and copies: :mod:`lit_flowgrpo.weights`, :mod:`lit_flowgrpo.copies`; every part with state sits in
+one :class:`~lit_flowgrpo.parts.Parts` list. Optimization is manual: one batch feeds several optimizer steps.
 """
 
 from __future__ import annotations
@@ -28,10 +24,9 @@ from torch import Tensor
 
 from lit_flowgrpo.advantages import AdvantageSettings, KLGateController
 from lit_flowgrpo.data import PromptBatch
-from lit_flowgrpo.data_batch import DataBatch, encode_images, rollout_pairs
+from lit_flowgrpo.data_batch import DataBatch, data_problems, data_step, rollout_pairs, stage_timings
 from lit_flowgrpo.distributed import DataParallel
 from lit_flowgrpo.errors import SettingsError, flag
-from lit_flowgrpo.image_data import ImageBatch, ImageDataModule
 from lit_flowgrpo.kl import KLSettings
 from lit_flowgrpo.metrics import DiagnosticsSettings, RewardGroupStats
 from lit_flowgrpo.metrics.validation import ValidationMeans
@@ -160,11 +155,6 @@ class FlowGRPOModule(L.LightningModule):
         p += self.weights.settings.problems(self.policy.declared_networks)
         weights = dict(self.reward.weights) if isinstance(self.reward, MultiReward) else None
         p += self.kl.problems(full_fine_tune=full, reward_weights=weights)
-        if self.objective.uses_reference and full and not self.kl.reference.copy:
-            p.append(
-                f"{type(self.objective).__name__} with a full fine-tune ({flag('weights')}.lora=null) needs "
-                f"{flag('kl')}.reference.copy=true: its loss compares with a frozen copy of the initial transformer"
-            )
         p += self.policy.problems() + self.sampler.image_size_problems(self.policy)
         p += self.reward.settings_problems() + reward_modality_problems(self.policy, self.reward)
         if self.sampler.guidance_scale > 1 and not self.update.train_cfg:
@@ -194,7 +184,7 @@ class FlowGRPOModule(L.LightningModule):
             problems += self.reward.prompt_problems(
                 {f: list(getattr(dm, a, None) or []) for f, a in parts.items()}
             )
-        problems += self._data_problems(dm)
+        problems += data_problems(self.objective, self.sampler, dm, self.weights.lora is None, self.kl)
         problems += strategy_problems(
             self.trainer, dm, self.performance, offload_reference=self.kl.reference.offload
         )
@@ -203,38 +193,6 @@ class FlowGRPOModule(L.LightningModule):
         check = getattr(self.reward, "check", None)
         if callable(check):
             check()  # remote endpoints answer before the first rollout
-
-    def _data_problems(self, dm: Any) -> list[str]:
-        """The objective against the data module: images for the objectives that learn from them, pairs
-        for offline Diffusion-DPO, the images' size the sampler's."""
-        source = self.objective.learns_from()
-        if dm is None:
-            return []
-        if source != "data":
-            if isinstance(dm, ImageDataModule) and dm.group_size < 2:
-                return [
-                    f"--data.init_args.group_size ({dm.group_size}) must be at least 2 with "
-                    f"{type(self.objective).__name__}: it compares the samples of a group"
-                ]
-            return []
-        name = type(self.objective).__name__
-        if not isinstance(dm, ImageDataModule):
-            return [
-                f"--data={type(dm).__name__}: {name} learns from images, use lit_flowgrpo.image_data.ImageDataModule"
-            ]
-        p = []
-        if self.objective.needs_pairs and not dm.pairs:
-            p.append(
-                f"--data.init_args.pairs must be true with {name}(pairs=data): it learns from preference pairs"
-            )
-        sampler = (self.sampler.height, self.sampler.width)
-        if (dm.height, dm.width) != sampler:
-            p.append(
-                f"--data.init_args.height/width ({dm.height}x{dm.width}) must be the sampler's "
-                f"{flag('sampler')}.height/width ({sampler[0]}x{sampler[1]}): the model learns the images at "
-                "the size it samples"
-            )
-        return p
 
     def configure_model(self) -> None:
         if self._configured:
@@ -272,11 +230,10 @@ class FlowGRPOModule(L.LightningModule):
     # ----------------------------------------------------------------------------------------------
 
     def training_step(self, batch: PromptBatch, batch_idx: int) -> StepOutput:
-        source = self.objective.learns_from()
-        if source == "data":
-            return self._data_step(batch)
         clock = StageClock(self.device)
         clock.begin("gen")
+        if self.objective.learns_from in ("data", "data_pairs"):  # SFT, offline DPO: images, no rollout
+            return data_step(self.policy, batch, clock, self._update, self._log_step, self.sampler.frames)
         embeds = self.policy.encode_prompts(batch.prompts)
         # Each chunk is scored as it is decoded (the reward's `overlap`): "reward" is the wait after it.
         with RewardQueue.for_batch(self.reward, batch, self.data_parallel) as scores:
@@ -301,18 +258,10 @@ class FlowGRPOModule(L.LightningModule):
         advantages, keep, kl_weights = self._advantages(rewards, batch, images)
         rollout = RolloutBatch(traj, embeds, advantages, batch.sample_ids.to(self.device), keep, kl_weights)
         clock.begin("update_actor")
-        if source == "rollout_pairs":  # online Diffusion-DPO: the groups' best against their worst
-            pairs, count = rollout_pairs(
-                traj.final, embeds, rewards.total, batch.group_ids, rollout.sample_ids, self.data_parallel
-            )
-            self.log("actor/dpo_online_pairs", float(count), on_step=True, on_epoch=False)
-            done = self._update(pairs, batch.step, clock)
-        else:
-            done = self._update(rollout, batch.step, clock)
-        clock.end()
-        timings = clock.timings
-        timings["ref"] = done.reference_s
-        timings["update_actor"] -= done.reference_s
+        if self.objective.learns_from == "rollout_pairs":  # online DPO: each group's best against its worst
+            rollout = rollout_pairs(traj.final, embeds, rewards.total, batch, self.data_parallel, self.log)
+        done = self._update(rollout, batch.step, clock)
+        timings = stage_timings(clock, done.reference_s)
         self._log_step()
         return StepOutput(
             timings=timings,
@@ -329,51 +278,6 @@ class FlowGRPOModule(L.LightningModule):
             rewards=rewards.total.detach(),
             sample_ids=rollout.sample_ids,
             advantages=advantages.detach(),
-            keep=keep,
-            trained_sample_ids=done.trained,
-            kept_per_rank=done.kept_per_rank,
-        )
-
-    def _data_step(self, batch: PromptBatch) -> StepOutput:
-        """A step of an objective that learns from the data module's images (SFT, offline Diffusion-DPO):
-        encode the prompts and the images (the ``gen`` stage), then the update; no rollout, no reward."""
-        if not isinstance(batch, ImageBatch) or batch.images is None:
-            raise TypeError(
-                f"{type(self.objective).__name__} learns from images: --data must be "
-                "lit_flowgrpo.image_data.ImageDataModule"
-            )
-        clock = StageClock(self.device)
-        clock.begin("gen")
-        embeds = self.policy.encode_prompts(batch.prompts)
-        latents = encode_images(self.policy, batch.images.to(self.device))
-        rejected = (
-            None if batch.rejected is None else encode_images(self.policy, batch.rejected.to(self.device))
-        )
-        keep = torch.ones(len(batch), dtype=torch.bool, device=self.device)
-        data = DataBatch(latents, embeds, batch.sample_ids.to(self.device), keep, rejected)
-        clock.begin("update_actor")
-        done = self._update(data, batch.step, clock)
-        clock.end()
-        timings = clock.timings
-        timings["ref"] = done.reference_s
-        timings["update_actor"] -= done.reference_s
-        self._log_step(rewards=False)
-        nan = torch.full((len(batch),), math.nan, device=self.device)
-        return StepOutput(
-            timings=timings,
-            num_images=len(batch),
-            frames_per_sample=self.sampler.frames,
-            transformer_forwards={
-                "gen": 0,
-                "old_log_prob": 0,
-                "ref": done.forwards["ref"],
-                "update_actor": done.forwards["update"],
-            },
-            images=batch.images.to(self.device),
-            prompts=list(batch.prompts),
-            rewards=nan,
-            sample_ids=data.sample_ids,
-            advantages=torch.zeros_like(nan),
             keep=keep,
             trained_sample_ids=done.trained,
             kept_per_rank=done.kept_per_rank,

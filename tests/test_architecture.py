@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "tiny": 1,
     "performance": 1,
     "data": 1,
+    "image_data": 1,
     "diversity": 1,
     "kl": 1,
     "sequence_parallel": 1,
@@ -42,6 +43,7 @@ LAYERS: dict[str, int] = {
     "rollout": 2,
     "strategies": 2,
     "placement": 2,
+    "data_batch": 2,
     # 3: the copies of the weights, below the weights
     "copies": 3,
     # 4: the trained weights; from rewards to advantages
@@ -49,6 +51,7 @@ LAYERS: dict[str, int] = {
     "advantages": 4,
     # 5: objectives and the update loop
     "objective": 5,
+    "data_objective": 5,
     "visit": 5,
     "update": 5,
     # 6: the LightningModule

@@ -16,9 +16,11 @@ from test_datasets_images import write_images
 from test_module import lora_state, make_data, make_module, make_trainer
 from tolerances import EPS32
 
+from lit_flowgrpo.data_objective import SFT, DiffusionDPO
 from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.image_data import ImageDataModule
-from lit_flowgrpo.objective import SFT, DiffusionDPO, build_objective
+from lit_flowgrpo.kl import ReferenceSettings
+from lit_flowgrpo.objective import build_objective
 
 SIZE = 32
 
@@ -46,10 +48,10 @@ def test_registered_with_their_sources_defaults():
         1.29,
         3.0,
     )
-    assert dpo.beta == 5000.0 and dpo.uses_reference and not sft.uses_reference
-    assert (sft.learns_from(), dpo.learns_from(), DiffusionDPO(pairs="rollout").learns_from()) == (
+    assert dpo.beta == 5000.0
+    assert (sft.learns_from, dpo.learns_from, DiffusionDPO(pairs="rollout").learns_from) == (
         "data",
-        "data",
+        "data_pairs",
         "rollout_pairs",
     )
 
@@ -97,26 +99,39 @@ def test_a_dpo_visit_is_the_loss_of_the_pure_function(tiny_sd3_path, tmp_path):
     assert float(loss) < float(torch.log(torch.tensor(2.0)))
 
 
-def _fit(path, index, pairs, objective, root, max_steps, data_kw=None, **fit):
-    module = learner(path, objective)
+def _fit(path, index, pairs, objective, root, max_steps, module_kw=None, **fit):
+    module = learner(path, objective, **(module_kw or {}))
     trainer = make_trainer(root, max_steps=max_steps)
-    trainer.fit(module, datamodule=data_module(index, pairs, **(data_kw or {})), **fit)
+    trainer.fit(module, datamodule=data_module(index, pairs), **fit)
     return module, trainer
+
+
+# An EMA reference: the KL settings refuse a moving reference unless the KL is on or measured, so the
+# run measures it (kl.measure) with β = 0; the DPO loss then uses the moving reference.
+EMA = {"reference": ReferenceSettings(mode="ema", ema_decay=0.5), "reference_kl": True}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("objective", "pairs"),
-    [(SFT(visits_per_sample=2), False), (DiffusionDPO(beta=50.0), True)],
-    ids=["sft", "dpo_offline"],
+    ("objective", "pairs", "module_kw"),
+    [
+        (SFT(visits_per_sample=2), False, {}),
+        (DiffusionDPO(beta=50.0), True, {}),
+        (DiffusionDPO(beta=50.0), True, EMA),
+    ],
+    ids=["sft", "dpo_offline", "dpo_ema_reference"],
 )
-def test_resume_is_exact(tiny_sd3_path, tmp_path, objective, pairs):
+def test_resume_is_exact(tiny_sd3_path, tmp_path, objective, pairs, module_kw):
     index = write_images(tmp_path / "data", 8, size=SIZE, pairs=pairs)
-    straight, _ = _fit(tiny_sd3_path, index, pairs, objective, tmp_path / "a", 4)
-    _, trainer = _fit(tiny_sd3_path, index, pairs, objective, tmp_path / "b", 2)
+    straight, _ = _fit(tiny_sd3_path, index, pairs, objective, tmp_path / "a", 4, module_kw)
+    _, trainer = _fit(tiny_sd3_path, index, pairs, objective, tmp_path / "b", 2, module_kw)
     ckpt = tmp_path / "half.ckpt"
     trainer.save_checkpoint(ckpt)
-    resumed, _ = _fit(tiny_sd3_path, index, pairs, objective, tmp_path / "c", 4, ckpt_path=ckpt)
+    resumed, _ = _fit(tiny_sd3_path, index, pairs, objective, tmp_path / "c", 4, module_kw, ckpt_path=ckpt)
+    if module_kw:  # the EMA reference moved, and resumed to the same bits
+        ref_a, ref_b = straight.copies.kl_reference.tensors(), resumed.copies.kl_reference.tensors()
+        assert [k for k in ref_a if not torch.equal(ref_a[k], ref_b[k])] == []
+        assert any(v.abs().max() > 0 for k, v in ref_a.items() if "lora_B" in k)
     a, b = lora_state(straight), lora_state(resumed)
     assert a and [k for k in a if not torch.equal(a[k], b[k])] == []
     assert any(a[k].abs().max() > 0 for k in a if "lora_B" in k)  # it trained: LoRA's B starts at 0

@@ -1,0 +1,252 @@
+"""The objectives that learn from images, on the objective seam (:class:`~lit_flowgrpo.objective.Objective`):
+supervised flow matching (:class:`SFT`) and Diffusion-DPO (:class:`DiffusionDPO`, offline from the data
+module's pairs or online from a rollout's groups). The math is :mod:`lit_flowgrpo.algorithms.data_losses`;
+the batch they walk is :class:`~lit_flowgrpo.data_batch.DataBatch`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+from lit_flowgrpo.algorithms import (
+    WeightingScheme,
+    diffusion_dpo_loss,
+    flow_matching_errors,
+    sft_loss,
+    training_sigma,
+)
+from lit_flowgrpo.errors import flag
+from lit_flowgrpo.kl import KLSettings
+from lit_flowgrpo.metrics import DiagnosticsSettings, DictMetric, DPODiagnostics, SFTDiagnostics
+from lit_flowgrpo.objective import Objective
+from lit_flowgrpo.policies.base import index_embeds
+from lit_flowgrpo.rollout import Record, Sampler, initial_noise, per_sample_generators
+from lit_flowgrpo.visit import Visit, VisitContext
+
+__all__ = ["SFT", "DiffusionDPO", "FlowMatchingOnImages"]
+
+
+@dataclass(repr=False)
+class FlowMatchingOnImages(Objective):
+    """The base of the objectives that regress v_θ on given clean latents x0 (the data module's images,
+    or a rollout's own samples): each visit draws, per sample, a training noise level σ and a fresh ε
+    as diffusers' SD3 training scripts do (:func:`~lit_flowgrpo.algorithms.training_sigma`), seeded
+    from (rollout, inner epoch, sample id, visit), so a draw never depends on the micro-batch, the rank
+    or a resume; and forwards the conditional model (no CFG) at x_σ = (1 − σ)·x0 + σ·ε.
+
+    Args:
+        weighting_scheme: diffusers' ``weighting_scheme`` of SD3 training: ``logit_normal`` (the SD3
+            paper's and the scripts' default), ``mode``, ``cosmap``, ``sigma_sqrt`` or ``none``.
+        logit_mean: the logit-normal's mean (scripts' default 0).
+        logit_std: its std (default 1).
+        mode_scale: ``mode``'s scale (default 1.29).
+        shift: the training scheduler's shift (SD3.5's scheduler config: 3.0; a toy model trained on
+            unshifted σ: 1.0).
+        num_train_timesteps: the training scheduler's number of noise levels (1000).
+        visits_per_sample: noise draws (forward/backward passes) per sample and inner epoch.
+    """
+
+    records: ClassVar[tuple[Record, ...]] = ()
+
+    weighting_scheme: WeightingScheme = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    shift: float = 3.0
+    num_train_timesteps: int = 1000
+    visits_per_sample: int = 1
+
+    learns_from: ClassVar[str] = "data"
+
+    def problems(self, sde_type: str, flag_path: str = "") -> list[str]:
+        a = f"{flag_path or flag('objective')}."
+        p = []
+        if self.weighting_scheme not in ("logit_normal", "mode", "sigma_sqrt", "cosmap", "none"):
+            p.append(f"{a}weighting_scheme ({self.weighting_scheme!r}) must be one of diffusers' SD3 schemes")
+        if not self.logit_std > 0:
+            p.append(f"{a}logit_std ({self.logit_std}) must be > 0 (SD3's scripts use 1.0)")
+        if not self.shift > 0:
+            p.append(f"{a}shift ({self.shift}) must be > 0 (SD3.5's scheduler: 3.0)")
+        if self.num_train_timesteps < 1 or self.visits_per_sample < 1:
+            p.append(f"{a}num_train_timesteps and {a}visits_per_sample must be at least 1")
+        return p
+
+    def sampler_problems(self, sampler: Sampler, kl: KLSettings) -> list[str]:
+        if kl.on:
+            return [
+                f"{flag('kl')}.coef ({kl.coef}) must be 0 or null with {type(self).__name__}: its loss has no "
+                "KL term to the reference (Diffusion-DPO's closeness to the reference is its own β)"
+            ]
+        return []
+
+    def train_sigmas(self) -> Tensor:
+        """(num_train_timesteps,) fp32: the training scheduler's sigmas, 1 down to 1/N, shifted (diffusers'
+        ``FlowMatchEulerDiscreteScheduler``, as the SD3 scripts index them)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=self.num_train_timesteps, shift=self.shift
+        )
+        return scheduler.sigmas.float()
+
+    def visits(self, batch: Any) -> Sequence[int]:
+        return range(self.visits_per_sample)
+
+    def draws(
+        self, ctx: VisitContext, sample_ids: Tensor, shape: Sequence[int], device: Any
+    ) -> tuple[Tensor, Tensor]:
+        """(σ (N,), ε (N, *shape)) of one visit to the samples ``sample_ids``, each row from its own seed
+        (``ctx.seed`` is fixed per rollout and inner epoch, and differs between visits)."""
+        sigmas = self.train_sigmas()
+        base = [(ctx.seed * 1_000_003 + int(s)) % 2**62 for s in sample_ids.tolist()]
+        sigma = torch.stack(
+            [
+                training_sigma(
+                    self.weighting_scheme,
+                    sigmas,
+                    torch.Generator().manual_seed(b),
+                    logit_mean=self.logit_mean,
+                    logit_std=self.logit_std,
+                    mode_scale=self.mode_scale,
+                )
+                for b in base
+            ]
+        ).to(device)  # (N,) fp32
+        seeds = torch.tensor([(b * 1_000_003 + 1) % 2**62 for b in base])
+        noise = initial_noise(shape, per_sample_generators(seeds, device), device)
+        return sigma, noise
+
+    def _visit_seed(self, ctx: VisitContext, v: int) -> VisitContext:
+        """The context whose seed is this visit's (each visit draws afresh)."""
+        return dataclasses.replace(ctx, seed=(ctx.seed * 1_000_033 + v) % 2**62)
+
+
+def _noised(x0: Tensor, noise: Tensor, sigma: Tensor) -> Tensor:
+    t = sigma.view(-1, *([1] * (x0.ndim - 1)))
+    return (1 - t) * x0 + t * noise  # x_σ (DESIGN.md, Conventions)
+
+
+@dataclass(repr=False)
+class SFT(FlowMatchingOnImages):
+    """Supervised fine-tuning: the flow-matching loss on the data module's images
+    (:func:`~lit_flowgrpo.algorithms.sft_loss`, diffusers' SD3 training scripts' loss and σ
+    distribution), through the same module, weights (LoRA or full), callbacks and checkpoints as RL.
+    No rollout, no reward: a step is one batch of records (:class:`~lit_flowgrpo.image_data.ImageDataModule`).
+    Diagnostics: ``actor/sft_loss`` and the loss by σ band (:class:`~lit_flowgrpo.metrics.SFTDiagnostics`).
+
+    Args:
+        sigma_buckets: σ bands of the logged loss.
+
+    The σ distribution and weighting are :class:`FlowMatchingOnImages`'.
+    """
+
+    name: ClassVar[str] = "sft"
+
+    sigma_buckets: int = 4
+
+    def visit(self, ctx: VisitContext, batch: Any, idx: Tensor, live: int, v: int) -> Visit:
+        """Noise samples ``idx`` at this visit's σ and return the flow-matching loss of the first ``live``."""
+        x0 = batch.latents[idx]  # (N, *latent) fp32
+        sigma, noise = self.draws(self._visit_seed(ctx, v), batch.sample_ids[idx], x0.shape[1:], x0.device)
+        velocity = ctx.policy.velocity(_noised(x0, noise, sigma), sigma, index_embeds(batch.embeds, idx), 1.0)
+        zero = torch.zeros((), device=x0.device)
+        if not live:
+            pad = velocity.sum() * 0.0  # padding: touches the graph so DDP sees every parameter
+            return Visit(pad, pad, zero, zero, None)
+        loss, per_sample = sft_loss(
+            velocity[:live], x0[:live], noise[:live], sigma[:live], self.weighting_scheme
+        )
+        return Visit(loss, loss, zero, zero, {"loss": per_sample.detach(), "sigma": sigma[:live]})
+
+    def diagnostics(
+        self, num_steps: int, settings: DiagnosticsSettings, process_group: Any = None
+    ) -> DictMetric:
+        return SFTDiagnostics(self.sigma_buckets, process_group=process_group)
+
+
+@dataclass(repr=False)
+class DiffusionDPO(FlowMatchingOnImages):
+    """Diffusion-DPO (Wallace et al. 2023, arXiv:2311.12908) in its flow-matching form
+    (:func:`~lit_flowgrpo.algorithms.diffusion_dpo_loss`): the chosen and the rejected image of a pair
+    are noised with the same ε at the same σ, and the loss −log σ(−β/2·((e_w − e_l) − (e_w^ref − e_l^ref)))
+    asks the trained model to fit the chosen one better than the reference does, relative to the rejected.
+
+    - ``pairs: data`` (offline): the pairs of an :class:`~lit_flowgrpo.image_data.ImageDataModule` with
+      ``pairs: true``; no rollout, no reward.
+    - ``pairs: rollout`` (online): each step samples a rollout as RL does, scores it, and pairs within
+      each group the best against the worst sample (:func:`~lit_flowgrpo.data_batch.rollout_pairs`); a
+      group whose rewards are all equal makes no pair.
+
+    The reference is the KL reference of the weights (:class:`~lit_flowgrpo.copies.Reference`:
+    ``kl.reference.mode`` initial, refreshed or ema; a full fine-tune needs ``kl.reference.copy``), used
+    here by the loss itself, with ``kl.coef`` left at 0. Diagnostics: implicit reward accuracy and
+    margin (:class:`~lit_flowgrpo.metrics.DPODiagnostics`).
+
+    Args:
+        beta: β (the released SD1.5/SDXL scripts: 5000 on the per-element mean of the ε error, the
+            unit of e here, with velocity errors in place of ε errors).
+        pairs: ``data`` or ``rollout`` (above).
+        sft_coef: weight of an added SFT term on the chosen image, mean(e_w) (0: the paper's loss).
+
+    The σ distribution is :class:`FlowMatchingOnImages`' (its weighting does not enter the loss: the
+    released scripts' errors are unweighted).
+    """
+
+    name: ClassVar[str] = "diffusion_dpo"
+
+    beta: float = 5000.0
+    pairs: Literal["data", "rollout"] = "data"
+    sft_coef: float = 0.0
+
+    @property
+    def learns_from(self) -> str:  # type: ignore[override]
+        return "data_pairs" if self.pairs == "data" else "rollout_pairs"
+
+    def problems(self, sde_type: str, flag_path: str = "") -> list[str]:
+        a = f"{flag_path or flag('objective')}."
+        p = super().problems(sde_type, flag_path)
+        if not (self.beta > 0 and math.isfinite(self.beta)):
+            p.append(f"{a}beta ({self.beta}) must be a finite number > 0 (the released scripts use 5000)")
+        if self.pairs not in ("data", "rollout"):
+            p.append(f"{a}pairs ({self.pairs!r}) must be data (offline pairs) or rollout (online pairs)")
+        if not self.sft_coef >= 0:
+            p.append(f"{a}sft_coef ({self.sft_coef}) must be >= 0")
+        return p
+
+    def visit(self, ctx: VisitContext, batch: Any, idx: Tensor, live: int, v: int) -> Visit:
+        """Noise the pairs ``idx`` alike at this visit's σ and return the DPO loss of the first ``live``."""
+        x_w, x_l = batch.latents[idx], batch.rejected[idx]  # (N, *latent) fp32
+        n = len(idx)
+        sigma, noise = self.draws(self._visit_seed(ctx, v), batch.sample_ids[idx], x_w.shape[1:], x_w.device)
+        x = torch.cat([_noised(x_w, noise, sigma), _noised(x_l, noise, sigma)])  # (2N, *latent)
+        s2, cond = torch.cat([sigma, sigma]), index_embeds(batch.embeds, torch.cat([idx, idx]))
+        # The reference before the θ forward: a full fine-tune's reference swaps in weights the θ graph
+        # would save.
+        with ctx.reference_timer(), torch.no_grad(), ctx.copies.reference():
+            v_ref = ctx.policy.velocity(x, s2, cond, 1.0)
+        v_theta = ctx.policy.velocity(x, s2, cond, 1.0)
+        zero = torch.zeros((), device=x.device)
+        if not live:
+            pad = v_theta.sum() * 0.0  # padding: touches the graph so DDP sees every parameter
+            return Visit(pad, pad, zero, zero, None)
+        x0, eps = torch.cat([x_w, x_l]), torch.cat([noise, noise])
+        err, ref_err = flow_matching_errors(v_theta, x0, eps), flow_matching_errors(v_ref, x0, eps)  # (2N,)
+        loss, stats = diffusion_dpo_loss(
+            err[:live], err[n : n + live], ref_err[:live], ref_err[n : n + live], beta=self.beta
+        )
+        if self.sft_coef:
+            loss = loss + self.sft_coef * err[:live].mean()
+        diagnostics = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
+        return Visit(loss, loss, zero, zero, diagnostics)
+
+    def diagnostics(
+        self, num_steps: int, settings: DiagnosticsSettings, process_group: Any = None
+    ) -> DictMetric:
+        return DPODiagnostics(process_group=process_group)
