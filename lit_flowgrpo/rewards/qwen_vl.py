@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "IMAGE_PAD",
+    "backbone_key",
     "encode_images",
     "hidden_states",
     "load_backbone",
@@ -66,28 +67,39 @@ def load_state(source: str) -> dict[str, Tensor]:
     return state.get("model", state)  # HPSv3's loader accepts {"model": ...} too
 
 
+def backbone_key(key: str) -> str | None:
+    """``Qwen2VLModel``'s name of a reward checkpoint's key, ``None`` for a key outside the backbone.
+
+    transformers >= 4.52 saves ``model.visual.*`` and ``model.language_model.*``; earlier releases
+    ``visual.*`` and ``model.*`` (the language model).
+    """
+    key = key.removeprefix("module.")
+    if key.startswith(("model.visual.", "model.language_model.")):
+        return key.removeprefix("model.")
+    if key.startswith("visual."):
+        return key
+    if key.startswith("model."):
+        return "language_model." + key.removeprefix("model.")
+    return None
+
+
 def split_state(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """(``Qwen2VLModel``'s state dict, the head's ``rm_head.*`` without its prefix) of a reward checkpoint.
 
     Raises:
-        ValueError: a key that is neither the backbone's, the language head's nor the reward head's.
+        ValueError: a key that is neither the backbone's, the language head's nor the reward head's, or
+            no reward head at all.
     """
     backbone: dict[str, Tensor] = {}
     head: dict[str, Tensor] = {}
     unknown = []
     for key, value in state.items():
-        key = key.removeprefix("module.")
-        if key.startswith("rm_head."):
-            head[key.removeprefix("rm_head.")] = value
-        elif key == "lm_head.weight":
-            continue  # next-token logits: not part of the score
-        elif key.startswith(("model.visual.", "model.language_model.")):
-            backbone[key.removeprefix("model.")] = value
-        elif key.startswith("visual."):  # transformers < 4.52
-            backbone[key] = value
-        elif key.startswith("model."):  # transformers < 4.52: the language model was `model`
-            backbone["language_model." + key.removeprefix("model.")] = value
-        else:
+        name = backbone_key(key)
+        if name is not None:
+            backbone[name] = value
+        elif key.removeprefix("module.").startswith("rm_head."):
+            head[key.removeprefix("module.").removeprefix("rm_head.")] = value
+        elif key.removeprefix("module.") != "lm_head.weight":  # next-token logits: not part of a score
             unknown.append(key)
     if unknown or not head:
         raise ValueError(
