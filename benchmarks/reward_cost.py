@@ -1,7 +1,9 @@
-"""Cost per image of the preference reward models (``hpsv2``, ``image_reward``, ``hpsv3``) at their real sizes.
+"""Cost per image (per video) of the preference reward models (``hpsv2``, ``image_reward``, ``hpsv3``,
+``video_align``) at their real sizes.
 
 Each reward is built with the released architecture (HPS v2.1: OpenCLIP ViT-H/14 as ``CLIPModel``;
-ImageReward: BLIP ViT-L/16 + BERT-base with cross-attention + MLP; HPSv3: Qwen2-VL-7B + its head) and
+ImageReward: BLIP ViT-L/16 + BERT-base with cross-attention + MLP; HPSv3: Qwen2-VL-7B + its head;
+VideoAlign: Qwen2-VL-2B + its head, on 33-frame 480 x 832 videos, 4 frames read at 2 fps) and
 random weights (no weights are downloaded), then scores a batch of 512 x 512 images through its own
 ``__call__``: preprocessing, tokenisation, the forward and the copy back, as a training step runs it.
 Tokenizers are made here (no downloads): CLIP's and BERT's at character level (CLIP pads or truncates to
@@ -276,6 +278,88 @@ def hpsv3(device: torch.device, tiny: bool):
     }
 
 
+def video_align(device: torch.device, tiny: bool):
+    from transformers import Qwen2VLConfig, Qwen2VLModel
+
+    from lit_flowgrpo.rewards.video_align import VIDEO_ALIGN_TEMPLATE, VIDEO_REWARD_TOKENS, VideoAlignReward
+
+    tokenizer = _qwen_tokenizer(
+        VIDEO_ALIGN_TEMPLATE + " ".join(PROMPTS) + " system You are a helpful assistant. user assistant"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VIDEO_REWARD_TOKENS)})
+    tokenizer.chat_template = tokenizer.chat_template.replace("'image'", "'video'").replace(
+        "<|image_pad|>", "<|video_pad|>"
+    )
+    ids = tokenizer.convert_tokens_to_ids(
+        ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    )
+    if tiny:
+        text = {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "rope_scaling": {"type": "mrope", "mrope_section": [4, 2, 2]},
+        }
+        vision = {"depth": 1, "embed_dim": 16, "hidden_size": 32, "mlp_ratio": 2, "num_heads": 2}
+    else:  # Qwen/Qwen2-VL-2B-Instruct's config.json
+        text = {
+            "hidden_size": 1536,
+            "intermediate_size": 8960,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+            "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+        }
+        vision = {"depth": 32, "embed_dim": 1280, "hidden_size": 1536, "mlp_ratio": 4, "num_heads": 16}
+    config = Qwen2VLConfig(
+        text_config={
+            **text,
+            "vocab_size": len(tokenizer),
+            "max_position_embeddings": 32768,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            **vision,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_chans": 3,
+        },
+        vision_start_token_id=ids[0],
+        vision_end_token_id=ids[1],
+        image_token_id=ids[2],
+        video_token_id=ids[3],
+    )
+    config._attn_implementation = "sdpa"
+    dtype = "float32" if tiny else "bfloat16"
+    reward = VideoAlignReward(
+        checkpoint="KwaiVGI/VideoReward",
+        source_fps=16.0,
+        fps=2.0,
+        max_frame_pixels=448 * 448,
+        device=str(device),
+        dtype=dtype,
+    )
+    reward.backbone = _build(Qwen2VLModel, config, device, torch.float32 if tiny else torch.bfloat16)
+    reward.head = torch.nn.Linear(text["hidden_size"], 1, bias=False).to(device).eval().requires_grad_(False)
+    reward.tokenizer = tokenizer
+    reward.vision = {
+        "patch": 14,
+        "merge": 2,
+        "temporal": 2,
+        "mean": [0.48145466, 0.4578275, 0.40821073],
+        "std": [0.26862954, 0.26130258, 0.27577711],
+    }
+    reward.norm = {q: (0.0, 1.0) for q in ("VQ", "MQ", "TA")}
+    reward.token_ids = tokenizer.convert_tokens_to_ids(list(VIDEO_REWARD_TOKENS))
+    params = sum(p.numel() for m in (reward.backbone, reward.head) for p in m.parameters())
+    return reward, {"dtype": dtype, "params": params, "fps": 2.0, "max_frame_pixels": 448 * 448}
+
+
 def measure(
     reward: Any, images: torch.Tensor, prompts: list[str], warmup: int, repeats: int
 ) -> dict[str, Any]:
@@ -313,7 +397,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="toy sizes: check the code path on a CPU")
-    parser.add_argument("--rewards", default="hpsv2,image_reward,hpsv3")
+    parser.add_argument("--video_batch", type=int, default=8)
+    parser.add_argument("--video", default="33x480x832", help="frames x height x width (Wan 2.1 1.3B's 480p)")
+    parser.add_argument("--rewards", default="hpsv2,image_reward,hpsv3,video_align")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import tempfile
@@ -342,9 +428,25 @@ def main() -> None:
                 reward, info = image_reward(device, args.tiny, tmp)
             elif name == "hpsv3":
                 reward, info = hpsv3(device, args.tiny)
+            elif name == "video_align":
+                reward, info = video_align(device, args.tiny)
             else:
                 raise SystemExit(f"unknown reward {name!r}")
-            info.update(measure(reward, images, prompts, args.warmup, args.repeats))
+            if name == "video_align":  # per video, not per image
+                frames, height, width = (int(x) for x in args.video.split("x"))
+                videos = torch.rand(args.video_batch, frames, 3, height, width, generator=generator).to(
+                    device
+                )
+                info["videos"] = f"{args.video_batch} x {frames} x 3 x {height} x {width} at 16 fps"
+                video_prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.video_batch)]
+                info.update(measure(reward, videos, video_prompts, args.warmup, args.repeats))
+                info["ms_per_video_median"] = info.pop("ms_per_image_median")
+                info["sequence_length"] = int(
+                    reward._encode(videos[:1], video_prompts[:1])["input_ids"].shape[1]
+                )
+                del videos
+            else:
+                info.update(measure(reward, images, prompts, args.warmup, args.repeats))
             if name == "hpsv3":
                 texts = [reward.instruction.format(text_prompt=p) for p in prompts[:1]]
                 info["text_tokens_per_sample"] = len(reward.tokenizer(texts[0])["input_ids"])

@@ -235,10 +235,8 @@ class VideoAlignReward:
         for name, value in (("source_fps", source_fps), ("fps", fps)):
             if value is not None and not value > 0:
                 problems.append(f"{_FLAG}.{name} ({value}) must be above 0")
-        if max_frame_pixels is not None and max_frame_pixels < VIDEO_MIN_PIXELS:
-            problems.append(
-                f"{_FLAG}.max_frame_pixels ({max_frame_pixels}) must be at least {VIDEO_MIN_PIXELS}"
-            )
+        if max_frame_pixels is not None and max_frame_pixels < 4 * 28 * 28:
+            problems.append(f"{_FLAG}.max_frame_pixels ({max_frame_pixels}) must be at least 4·28·28 = 3136")
         if problems:
             raise ValueError("; ".join(problems))
         self.checkpoint = checkpoint
