@@ -18,6 +18,7 @@ from lit_flowgrpo.rewards import (
     pickscore,
     served,
     video,
+    video_align,
     vlm_judge,
 )
 from lit_flowgrpo.rewards.base import (
@@ -58,5 +59,6 @@ __all__ = [
     "reward_modalities",
     "served",
     "video",
+    "video_align",
     "vlm_judge",
 ]
