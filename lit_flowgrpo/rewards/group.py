@@ -25,9 +25,11 @@ images of 512² are 9 MB a rank; 1152 on 32 ranks, flow_grpo's step, 0.9 GB); a 
 by ``all_gather_object`` (pickled between the run's own ranks), and two small gathers of flags keep
 the ranks in step when one fails: a group reward that raises on one rank raises on all of them.
 
-A group reward is never scored chunk by chunk beside the sampler, and outside a training step (in
-validation, or a plain call of :class:`~lit_flowgrpo.rewards.base.MultiReward`) there is no group:
-its samples are NaN there, counted as unscored. Watch its base reward with weight 0 in validation.
+The group step waits for the whole rollout; a ``prepare`` runs chunk by chunk beside the sampler, as
+the per-sample rewards do (:mod:`lit_flowgrpo.rewards.overlap`), so a rank reward's base score costs
+what the base reward alone would. Outside a training step (in validation, or a plain call of
+:class:`~lit_flowgrpo.rewards.base.MultiReward`) there is no group: a group reward's samples are NaN
+there, counted as unscored. Watch its base reward with weight 0 in validation.
 
 Two are registered: ``pairwise_win_rate`` (Pref-GRPO's reward over any pairwise judge) and
 ``group_rank`` (Flow-Factory's ``PickScore_Rank``, over any per-sample reward).
@@ -60,6 +62,7 @@ __all__ = [
     "RewardJudge",
     "VLMPairwiseJudge",
     "group_ranks",
+    "prepare_inputs",
     "score_groups",
     "win_rates",
 ]
@@ -72,6 +75,29 @@ _FLAG = "--model.init_args.reward.init_args.config"
 # --------------------------------------------------------------------------------------------------
 
 
+def prepare_inputs(
+    name: str, reward: Any, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict]
+) -> Tensor | BaseException:
+    """What travels of this rank's samples for a group reward: its ``prepare``'s (B, ...) output, on the
+    CPU (a worker thread's CUDA stream hands nothing on), or (B, 3, H, W) uint8 images without one.
+
+    What ``prepare`` raises is returned, not raised: :func:`score_groups` raises it on every rank alike.
+    """
+    try:
+        prepare = getattr(reward, "prepare", None)
+        if prepare is None:
+            return to_uint8(images)
+        local = torch.as_tensor(prepare(images, list(prompts), list(metadata))).detach().cpu()
+        if local.shape[:1] != (images.shape[0],):
+            raise ValueError(
+                f"reward {name!r} ({qualname(reward)}).prepare returned shape {tuple(local.shape)} for "
+                f"{images.shape[0]} samples: one row a sample"
+            )
+        return local
+    except Exception as err:
+        return err
+
+
 def score_groups(
     name: str,
     reward: Any,
@@ -80,6 +106,7 @@ def score_groups(
     metadata: Sequence[dict],
     group_ids: Tensor,
     dp: DataParallel,
+    prepared: tuple[Tensor | BaseException, float] | None = None,
 ) -> Scored:
     """One group reward's values of this rank's B samples, each group scored whole (module doc).
 
@@ -93,6 +120,8 @@ def score_groups(
         metadata: this rank's metadata records.
         group_ids: (B,) the group of each sample, numbered for the whole step.
         dp: the data-parallel peers.
+        prepared: :func:`prepare_inputs` of this rank's samples, made already (beside the sampler),
+            and the seconds it took; ``None`` makes it here.
 
     Raises:
         RuntimeError: on every rank, when the reward raised on any (the rank that raised re-raises
@@ -104,14 +133,12 @@ def score_groups(
     if not scores_groups(reward):
         raise TypeError(f"{label} does not declare scores_groups = True")
     prompts, metadata = list(prompts), list(metadata)
-    failure: BaseException | None = None
-    try:
-        prepare = getattr(reward, "prepare", None)
-        local = to_uint8(images) if prepare is None else torch.as_tensor(prepare(images, prompts, metadata))
-        if local.shape[:1] != (batch,):
-            raise ValueError(f"{label}.prepare returned shape {tuple(local.shape)} for {batch} samples")
-    except Exception as err:
-        failure, local = err, torch.zeros(batch)
+    made, earlier_s = (
+        prepared if prepared is not None else (prepare_inputs(name, reward, images, prompts, metadata), 0.0)
+    )
+    failure = made if isinstance(made, BaseException) else None
+    local = torch.zeros(batch) if failure is not None else made
+    prepare = getattr(reward, "prepare", None)
     _all_succeed(failure, dp, device, label, "preparing its inputs")
 
     inputs = _gather_rows(local.to(device), dp)  # (N, ...) rank-major: the one-process order
@@ -148,7 +175,7 @@ def score_groups(
     every = dp.stack(values.to(device)).cpu()  # (R, N): rank r's row holds the groups it scored
     gathered = every.gather(0, owners.unsqueeze(0)).squeeze(0)  # (N,) each from its owner, exactly
     mine = dp.mine(gathered, batch)
-    return Scored({name: mine.float()}, time.perf_counter() - start)
+    return Scored({name: mine.float()}, time.perf_counter() - start + earlier_s)
 
 
 def _all_succeed(

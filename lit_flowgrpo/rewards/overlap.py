@@ -31,9 +31,11 @@ though: a GPU reward's attention runs under those of a transformer forward runni
 which always leave the math kernel on, so the reward always has one
 (:func:`lit_flowgrpo.attention.sdpa_backends`). Validation scores its samples after sampling them.
 
-A reward that scores whole groups (``scores_groups``) is never scored by chunk: given the batch's group
-ids and data-parallel peers, :meth:`RewardQueue.result` scores it once the rollout is done, on this
-thread, with its groups assembled across ranks (:func:`lit_flowgrpo.rewards.group.score_groups`).
+A reward that scores whole groups (``scores_groups``) is scored once the rollout is done: given the
+batch's group ids and data-parallel peers, :meth:`RewardQueue.result` scores it on this thread, with
+its groups assembled across ranks (:func:`lit_flowgrpo.rewards.group.score_groups`). Its per-sample
+part, a ``prepare`` (a rank reward's base score), runs chunk by chunk in the worker like any reward;
+what it raises is handed to ``score_groups``, which raises it on every rank alike.
 """
 
 from __future__ import annotations
@@ -43,14 +45,14 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from lit_flowgrpo.distributed import DataParallel
 from lit_flowgrpo.rewards.base import MultiReward, RewardOutput, Scored, note, scores_groups, thread_safe
-from lit_flowgrpo.rewards.group import score_groups
+from lit_flowgrpo.rewards.group import prepare_inputs, score_groups
 
 __all__ = ["THREAD_NAME", "RewardQueue"]
 
@@ -97,8 +99,14 @@ class RewardQueue:
         ]
         #: The rewards that score whole groups, in :meth:`result`, when the groups are known.
         self.grouped = [n for n, r in reward.rewards.items() if group_ids is not None and scores_groups(r)]
+        #: Those of them whose per-sample ``prepare`` runs chunk by chunk in the worker.
+        self.prepared = [
+            n
+            for n in self.grouped
+            if overlap and thread_safe(reward.rewards[n]) and hasattr(reward.rewards[n], "prepare")
+        ]
         self._pool: ThreadPoolExecutor | None = None
-        self._chunks: list[tuple[slice, Tensor, Future[dict[str, Scored]]]] = []
+        self._chunks: list[tuple[slice, Tensor, Future[_Chunk]]] = []
         # Autocast is per thread: the worker scores under the caller's (a trainer's mixed precision),
         # as the rewards scored here after the rollout do.
         self._autocast = [
@@ -129,7 +137,7 @@ class RewardQueue:
         Raises:
             Exception: what a reward raised on an earlier chunk (the rollout stops there).
         """
-        if not self.overlapped:
+        if not self.overlapped and not self.prepared:
             return
         self._raise_failure()
         if self._pool is None:
@@ -149,7 +157,8 @@ class RewardQueue:
         """
         start = time.perf_counter()
         batch = images.shape[0]
-        parts = [(rows, future.result()) for rows, _, future in self._chunks]
+        done = [(rows, future.result()) for rows, _, future in self._chunks]
+        parts = [(rows, chunk.scored) for rows, chunk in done]
         covered = [i for rows, _ in parts for i in range(batch)[rows]]
         if parts and covered != list(range(batch)):
             raise ValueError(
@@ -164,8 +173,9 @@ class RewardQueue:
         scored = self.reward.score(images, self.prompts, self.metadata, names=later) if later else {}
         for name in self.grouped:  # a collective each, in the same order on every rank
             reward = self.reward.rewards[name]
+            inputs = _prepared(name, [chunk for _, chunk in done]) if done and name in self.prepared else None
             args = (images, self.prompts, self.metadata, self.group_ids, self.dp)
-            scored[name] = score_groups(name, reward, *args)  # its one value, keyed by its name
+            scored[name] = score_groups(name, reward, *args, prepared=inputs)  # keyed by its name
         for name in self.reward.rewards:
             if name not in scored:
                 scored[name] = _joined(name, [chunk[name] for _, chunk in parts])
@@ -179,19 +189,41 @@ class RewardQueue:
             if future.done() and not future.cancelled() and future.exception() is not None:
                 future.result()  # raises it
 
-    def _score(self, rows: slice, images: Tensor, ready: torch.cuda.Event | None) -> dict[str, Scored]:
+    def _score(self, rows: slice, images: Tensor, ready: torch.cuda.Event | None) -> _Chunk:
         prompts, metadata = self.prompts[rows], self.metadata[rows]
         try:
             with torch.no_grad(), _after(ready, images.device), contextlib.ExitStack() as autocast:
                 for device_type, dtype in self._autocast:
                     autocast.enter_context(torch.autocast(device_type, dtype=dtype))
-                return self.reward.score(images, prompts, metadata, names=self.overlapped)
+                scored = self.reward.score(images, prompts, metadata, names=self.overlapped)
+                inputs = {}
+                for name in self.prepared:  # its failure waits for score_groups, which every rank reaches
+                    start = time.perf_counter()
+                    made = prepare_inputs(name, self.reward.rewards[name], images, prompts, metadata)
+                    inputs[name] = (made, time.perf_counter() - start)
+                return _Chunk(scored, inputs)
         except Exception as err:
             note(
                 err,
                 f"while scoring samples {rows.start}:{rows.stop} of this rank's batch, beside the rollout",
             )
             raise
+
+
+class _Chunk(NamedTuple):
+    """What the worker made of one chunk: the per-sample rewards' outputs, and each group reward's
+    prepared inputs (or what its ``prepare`` raised) with the seconds it took."""
+
+    scored: dict[str, Scored]
+    inputs: dict[str, tuple[Tensor | BaseException, float]]
+
+
+def _prepared(name: str, chunks: list[_Chunk]) -> tuple[Tensor | BaseException, float]:
+    """One group reward's prepared inputs of every chunk, joined in sample order (or the first failure)."""
+    made = [chunk.inputs[name] for chunk in chunks]
+    seconds = sum(s for _, s in made)
+    failed = [m for m, _ in made if isinstance(m, BaseException)]
+    return (failed[0] if failed else torch.cat([m for m, _ in made])), seconds
 
 
 def _joined(name: str, chunks: list[Scored]) -> Scored:

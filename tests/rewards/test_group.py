@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import math
+import threading
 from http.server import BaseHTTPRequestHandler
 
 import numpy as np
@@ -17,7 +18,7 @@ from PIL import Image
 from lit_flowgrpo.distributed import DataParallel
 from lit_flowgrpo.rewards import MultiReward, register_reward
 from lit_flowgrpo.rewards.group import PairwiseWinRate, RankReward, group_ranks, score_groups, win_rates
-from lit_flowgrpo.rewards.overlap import RewardQueue
+from lit_flowgrpo.rewards.overlap import THREAD_NAME, RewardQueue
 
 IDS = torch.tensor([0, 1, 0, 1, 1, 0, 0, 1])
 
@@ -26,7 +27,10 @@ IDS = torch.tensor([0, 1, 0, 1, 1, 0, 0, 1])
 class Red:
     """The mean of the red channel; NaN for an image whose green channel is full (it cannot score it)."""
 
+    calls: list[tuple[str, int]] = []  # noqa: RUF012 (where each call ran, and its size)
+
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        Red.calls.append((threading.current_thread().name, len(prompts)))
         red = images[:, 0].mean(dim=(1, 2))
         return torch.where(images[:, 1].mean(dim=(1, 2)) > 0.9, torch.nan, red)
 
@@ -68,11 +72,15 @@ def test_the_queue_scores_whole_groups_once_the_rollout_is_done() -> None:
     images, prompts = _batch(), [f"p{i}" for i in range(8)]
     images[7, 1] = 1.0  # the base reward cannot score sample 7
     reward = _reward()
+    Red.calls = []
     with RewardQueue(reward, prompts, [{}] * 8, IDS) as queue:
         assert queue.overlapped == ["red_for_group_tests"]  # the group rewards wait for the whole batch
+        assert queue.prepared == ["group_rank"]  # but the rank's base scores come chunk by chunk
         queue.submit(slice(0, 4), images[:4])
         queue.submit(slice(4, 8), images[4:])
         out = queue.result(images)
+    beside = [n for thread, n in Red.calls if thread.startswith(THREAD_NAME)]
+    assert beside == [4, 4, 4, 4]  # each chunk: the weight-0 reward and group_rank's base score
     red = torch.tensor([0.3, 0.8, 0.5, 0.2, 0.9, 0.1, 0.5, math.nan])
     # group 0 (samples 0, 2, 5, 6: red 0.3, 0.5, 0.1, 0.5) wins 1, 2.5, 0, 2.5 of 3 comparisons; group 1
     # (1, 3, 4, 7: 0.8, 0.2, 0.9, unscored) 1, 0, 2 of the 2 with a verdict, and sample 7 none
@@ -98,6 +106,17 @@ def test_a_group_reward_that_raises_names_itself() -> None:
     with pytest.raises(RuntimeError, match="judge exploded") as info:
         score_groups("broken", Broken(), _batch(), ["p"] * 8, [{}] * 8, IDS, DataParallel())
     assert any("reward 'broken'" in n for n in getattr(info.value, "__notes__", []))
+
+    class BrokenBase(Broken):
+        def prepare(self, images, prompts, metadata):
+            raise RuntimeError("base exploded")
+
+    # Beside the sampler its prepare fails quietly; the group step raises it (on every rank alike).
+    with RewardQueue(MultiReward({"b": 1.0}, rewards={"b": BrokenBase()}), ["p"] * 8, [{}] * 8, IDS) as queue:
+        queue.submit(slice(0, 8), _batch())
+        with pytest.raises(RuntimeError, match="base exploded") as info:
+            queue.result(_batch())
+    assert any("while preparing its inputs" in n for n in getattr(info.value, "__notes__", []))
 
 
 def test_rank_reward_refuses_a_component_its_base_lacks() -> None:
