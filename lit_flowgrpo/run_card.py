@@ -99,8 +99,10 @@ class ProxyGap:
 
     Args:
         proxy: the proxy's reward component (``shapes_color``).
-        proxy_base, proxy_tuned: its validation mean for the base and the tuned model.
-        gap_base, gap_tuned: the mean over the samples scored by both of proxy − gold, for each.
+        proxy_base: its validation mean for the base model.
+        proxy_tuned: its validation mean for the tuned model.
+        gap_base: the mean over the samples scored by both of proxy − gold, for the base model.
+        gap_tuned: the same for the tuned model.
     """
 
     proxy: str
@@ -119,11 +121,15 @@ class HeldOutGain:
 
     Args:
         component: the reward component scored (``shapes/strict``).
-        base, base_samples: the base model's mean and the samples behind it.
-        tuned, tuned_samples: the tuned model's mean and its samples.
+        base: the base model's mean.
+        base_samples: the samples behind it.
+        tuned: the tuned model's mean.
+        tuned_samples: the samples behind it.
         after_rollouts: the rollouts the tuned model had trained for when it was evaluated.
-        gain, standard_error, paired_samples: the paired difference, or ``None`` where the samples
-            could not be paired (no per-sample ids, or fewer than two in both).
+        gain: the paired difference, or ``None`` where the samples could not be paired (no per-sample
+            ids, or fewer than two scored in both).
+        standard_error: its standard error, or ``None`` with it.
+        paired_samples: the samples it averages, or ``None`` with it.
         proxy: the proxy's gap to this component, where the run tracks one.
     """
 
@@ -224,6 +230,14 @@ def trained_facts(module: Any) -> dict[str, Any]:
         "weights": plain(hparams.get("weights", not_measured("the module declares no weights setting"))),
         "kl": plain(kl if dataclasses.is_dataclass(kl) else hparams.get("kl", not_measured("no KL setting"))),
     }
+    adapter = getattr(getattr(module, "weights", None), "peft_config", None)  # once the weights are attached
+    if adapter is not None and isinstance(facts["weights"], dict):
+        # The LoRA settings as peft applied them: the policy's defaults in place of the nulls.
+        facts["weights"]["adapter"] = {
+            "r": adapter.r,
+            "lora_alpha": adapter.lora_alpha,
+            "target_modules": plain(adapter.target_modules),
+        }
     taken = {"objective", "weights", "kl", "seed"}
     facts["settings"] = plain({k: v for k, v in hparams.items() if k not in taken})
     facts["seed"] = plain(hparams.get("seed"))
@@ -494,7 +508,9 @@ def _weights_text(weights: Any) -> str:
     lora = weights.get("lora")
     if lora is None:
         return f"full fine-tune of the transformer (master dtype {weights.get('master_dtype')})"
-    return f"LoRA adapter ({_settings(lora)})"
+    adapter = weights.get("adapter")
+    applied = f"; as applied: {_settings(adapter)}" if isinstance(adapter, Mapping) else ""
+    return f"LoRA adapter ({_settings(lora)}{applied})"
 
 
 def _kl_text(kl: Any) -> str:

@@ -1,0 +1,356 @@
+"""The run card: every checkpoint holds it as plain data, `lit-flowgrpo export` writes it as the export
+folder's README.md (Hub model-card metadata and a page), and each of its fields is what the run logged.
+
+The two whole-CLI runs (slow) read the card back and check each field against the run's own records:
+its saved config, metrics.csv, the validation sample tables, the held-out line it printed and the
+checkpoint. A shortened quickstart (DiffusionNFT, full fine-tune, the base model validated, a proxy
+tracked, diversity and drift measured) carries every measured field; the tiny SD3 run (Flow-GRPO, LoRA,
+EMA, resumed once, no base validation) carries the on-policy ratio error, the resume, and the fields it
+cannot measure, each saying why.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from cli_helpers import load_shipped, tiny_fit_args
+
+from lit_flowgrpo.cli import FlowGRPOCLI, main
+from lit_flowgrpo.run_card import (
+    CHECKPOINT_KEY,
+    checkpoint_card,
+    is_measured,
+    model_card,
+    not_measured,
+    read_card,
+)
+from lit_flowgrpo.toy.report import HeldOutReport
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------------------------------
+# The card's own rules (quick)
+# --------------------------------------------------------------------------------------------------
+
+
+def _saved_checkpoint(path: Path, **extra: Any) -> str:
+    """A checkpoint as Lightning writes one, without a run card (written from Python without the recorder)."""
+    ckpt = {"global_step": 6, "state_dict": {"w": torch.zeros(2)}, "callbacks": {}, **extra}
+    torch.save(ckpt, path)
+    return str(path)
+
+
+def test_a_checkpoint_without_a_card_says_so_and_invents_nothing(tmp_path: Path) -> None:
+    card = checkpoint_card(_saved_checkpoint(tmp_path / "a.ckpt"))
+    why = "not measured: the checkpoint holds no run card (it was written without RunCardRecorder)"
+    assert card["trust"] == card["sessions"] == card["trained"]["rollouts"] == why
+    assert card["export"]["optimizer_steps"] == 6
+    assert card["export"]["weights"] == "the trained weights"
+    folder = tmp_path / "export"
+    folder.mkdir()
+    model_card(card).save(folder / "README.md")
+    back = read_card(str(folder))
+    metadata = back.pop("metadata")
+    assert back == card
+    assert "license" not in metadata and "base_model" not in metadata
+    assert metadata["library_name"] == "diffusers"
+    assert "## How far to trust it\n\n" + why in (folder / "README.md").read_text()
+
+
+def test_the_ema_weights_are_named_only_when_exported(tmp_path: Path) -> None:
+    ema = {"TrainableEMA{'decay': 0.9}": {"ema_state_dict": {"w": torch.ones(2)}}}
+    path = _saved_checkpoint(tmp_path / "ema.ckpt", callbacks=ema)
+    assert checkpoint_card(path)["export"]["weights"] == "the EMA of the trained weights"
+    assert checkpoint_card(path, use_ema=False)["export"]["weights"] == "the trained weights"
+
+
+def test_base_model_is_in_the_metadata_only_for_a_hub_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def metadata(pretrained: str | None, license: str | None = None) -> dict[str, Any]:
+        base = {"policy": "lit_flowgrpo.policies.SD3Policy", "pretrained": pretrained, "modality": "image"}
+        return model_card({"trained": {"base_model": base}}, license=license).data.to_dict()
+
+    hub = "stabilityai/stable-diffusion-3.5-medium"
+    assert metadata(hub)["base_model"] == hub
+    assert metadata(hub, "other")["license"] == "other"
+    # A local folder is not a Hub repository, even when its path reads like one.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    for local in ("org/name", str(tmp_path / "org" / "name"), None):
+        assert "base_model" not in metadata(local)
+
+
+def test_a_folder_without_a_card_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"has no README\.md"):
+        read_card(str(tmp_path))
+    (tmp_path / "README.md").write_text("# an adapter\n")
+    with pytest.raises(ValueError, match="holds no run card"):
+        read_card(str(tmp_path))
+
+
+def test_not_measured_is_a_sentence_not_a_number() -> None:
+    assert not is_measured(not_measured("validation did not run"))
+    assert is_measured(0.0) and is_measured({"last": 1.0}) and is_measured("a policy name")
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers: the run's own records
+# --------------------------------------------------------------------------------------------------
+
+
+def _rows(*folders: Path) -> list[dict[str, str]]:
+    rows: list[dict[str, str]] = []
+    for folder in folders:
+        with open(folder / "metrics.csv") as f:
+            rows += list(csv.DictReader(f))
+    return rows
+
+
+def _column(rows: list[dict[str, str]], key: str) -> list[float]:
+    return [float(r[key]) for r in rows if r.get(key)]
+
+
+def _last_row_with(rows: list[dict[str, str]], key: str) -> dict[str, str]:
+    return [r for r in rows if r.get(key)][-1]
+
+
+def _check_series(facts: dict[str, Any], values: list[float]) -> None:
+    """The card's last / max / mean of a per-rollout key against the logged values (the card holds
+    each value as logged; only the mean is summed, in float64 on both sides, in the same order)."""
+    assert facts["rollouts"] == len(values) and facts["nonfinite_rollouts"] == 0
+    assert facts["last"] == values[-1] and facts["max"] == max(values)
+    assert facts["mean"] == pytest.approx(sum(values) / len(values), rel=1e-15)
+
+
+def _export(config: Path, out: Path, *extra: str) -> dict[str, Any]:
+    main(["export", "--config", str(config), "--ckpt_path", "last", "--out", str(out), *extra])
+    return read_card(str(out))
+
+
+def _checkpoint_card(path: Path) -> dict[str, Any]:
+    return torch.load(path, map_location="cpu", weights_only=True)[CHECKPOINT_KEY]
+
+
+# --------------------------------------------------------------------------------------------------
+# The shortened quickstart: every measured field
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_quickstart_export_carries_its_paired_gain_and_every_field_matches_the_logs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = load_shipped("quickstart")
+    callbacks = config["trainer"]["callbacks"]
+    (report,) = [c for c in callbacks if c["class_path"].endswith("HeldOutReport")]
+    report["init_args"] = {"proxy": "shapes/partial"}  # a tracked "proxy": its gap to strict is measured
+    callbacks.insert(0, {"class_path": "lit_flowgrpo.callbacks.OverOptimizationMonitor"})
+    recipe = tmp_path / "quickstart.yaml"
+    recipe.write_text(yaml.safe_dump(config))
+    # Two rollouts, one validation after them (and the base model's before), 8 held-out prompts x 2
+    # seeds: 16 paired samples, and two seeds per prompt for the diversity.
+    cli = FlowGRPOCLI(
+        args=[
+            "fit",
+            "--config",
+            str(recipe),
+            "--trainer.max_steps=2",
+            "--trainer.val_check_interval=2",
+            f"--trainer.default_root_dir={tmp_path}",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+            "--data.init_args.prompts_per_step=2",
+            "--data.init_args.group_size=4",
+            "--data.init_args.max_val_prompts=8",
+            "--data.init_args.val_seeds=2",
+            "--data.init_args.val_batch_size=16",
+            "--model.init_args.update.micro_batch_size=8",
+        ]
+    )
+    printed = capsys.readouterr().out
+    (run,) = tmp_path.glob("quickstart/version_0")
+    card = _export(run / "config.yaml", tmp_path / "exported", "--license=apache-2.0")
+    metadata = card.pop("metadata")
+    export = card.pop("export")
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    rows = _rows(run)
+    trained, trust = card["trained"], card["trust"]
+
+    # The Hub's metadata: no base_model (the toy's shipped weights are on no Hub), the license given.
+    assert metadata["library_name"] == "diffusers" and metadata["license"] == "apache-2.0"
+    assert "base_model" not in metadata
+    assert {"lit-flowgrpo", "diffusionnft", "full-fine-tune", "text-to-image"} <= set(metadata["tags"])
+
+    # What was trained: the run's saved config.
+    model = saved["model"]["init_args"]
+    assert trained["module"] == "lit_flowgrpo.module.FlowGRPOModule"
+    assert trained["base_model"] == {
+        "policy": "lit_flowgrpo.toy.policy.ToyPolicy",
+        "pretrained": None,
+        "modality": "image",
+    }
+    assert trained["objective"]["class_path"] == model["objective"]["class_path"]
+    assert trained["objective"]["init_args"] == model["objective"]["init_args"]
+    assert trained["reward"]["weights"] == model["reward"]["init_args"]["weights"]
+    assert trained["weights"] == model["weights"]
+    assert trained["kl"]["coef"] == model["kl"]["coef"] and trained["kl"]["reference"]["copy"] is True
+    assert trained["settings"]["update"] == model["update"]
+    optimizer = model["optimizer"]["init_args"]
+    assert trained["optimizer"]["class"] == "torch.optim.adamw.AdamW"
+    assert (trained["optimizer"]["lr"], trained["optimizer"]["weight_decay"]) == (
+        optimizer["lr"],
+        optimizer["weight_decay"],
+    )
+    seeds = {
+        "seed_everything": saved["seed_everything"],
+        "module": model["seed"],
+        "data": saved["data"]["init_args"]["seed"],
+    }
+    assert trained["seeds"] == seeds
+    # Progress: the rollouts and images the logs count, the steps the checkpoint holds.
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    assert trained["rollouts"] == len(_column(rows, "critic/rewards/mean")) == 2
+    assert trained["optimizer_steps"] == export["optimizer_steps"] == torch.load(ckpt)["global_step"] == 2
+    assert trained["samples_generated"] == sum(_column(rows, "perf/total_num_images")) == 16
+    assert trained["measured_from_rollout"] == 0
+    (session,) = card["sessions"]
+    assert session["resumed_from"] is None and session["at_rollout"] == session["at_optimizer_step"] == 0
+    assert session["versions"]["torch"] == torch.__version__
+    assert (session["hardware"]["accelerator"], session["hardware"]["world_size"]) == ("cpu", 1)
+    assert export["checkpoint"] == str(ckpt) and export["weights"] == "the trained weights"
+
+    # The paired held-out gain, re-derived from the per-sample verdicts HeldOutReport kept of the two
+    # evaluations; the tuned ones are also the table the sample logger wrote (it skips the sanity
+    # check, so the base model's verdicts have no table), and both average to the logged means.
+    (report,) = [c for c in cli.trainer.callbacks if isinstance(c, HeldOutReport)]
+    base, tuned = report.base_values, report.last_values
+    table = json.loads((run / "images" / "val_samples_table_step0000001.json").read_text())
+    column = table["columns"].index("shapes/strict")
+    assert [r[column] for r in table["data"]] == tuned.tolist()
+    diff = tuned - base  # (16,) float64 verdicts of 0 or 1
+    (held,) = trust["held_out"]
+    assert (held["component"], held["after_rollouts"], held["paired_samples"]) == ("shapes/strict", 2, 16)
+    assert (held["base_samples"], held["tuned_samples"]) == (16, 16)
+    # Means of 16 verdicts of 0 or 1: exact in float64 whatever the order of the sums.
+    assert (held["base"], held["tuned"], held["gain"]) == (
+        float(base.mean()),
+        float(tuned.mean()),
+        float(diff.mean()),
+    )
+    assert held["standard_error"] == pytest.approx(float(diff.std() / 4), rel=1e-12)  # s/√16
+    strict = _column(rows, "val-core/shapes/strict/mean@1")  # HeldOutReport's base at 0, then the tuned
+    assert (strict[0], strict[-1]) == (held["base"], held["tuned"])
+    line = (
+        f"held-out strict accuracy: {held['base']:.3f} -> {held['tuned']:.3f} "
+        f"({held['gain']:+.3f} ± {held['standard_error']:.3f}, 16 paired samples; the base model -> after 2 rollouts)"
+    )
+    assert line in printed
+    readme = (tmp_path / "exported" / "README.md").read_text()
+    shown = f"{held['gain']:+.3f} ± {held['standard_error']:.3f}, 16 paired samples"
+    assert (
+        f"| held-out shapes/strict (paired gain) | {held['base']:.3f} -> {held['tuned']:.3f} ({shown}"
+        in readme
+    )
+
+    # The proxy's gap to gold, as logged for the base model (by HeldOutReport, at step 0) and after.
+    (gap,) = trust["proxy_gap"]
+    assert (gap["proxy"], gap["gold"], gap["at_rollout"]) == ("shapes/partial", "shapes/strict", 2)
+    logged_gap = _column(rows, "val-aux/shapes/partial_gap/mean@1")
+    # The card holds HeldOutReport's float64 means; the logger got the base one as float64 too, and the
+    # last one through Lightning's logging, as fp32 (one rounding: 2^-24 relative).
+    assert (len(logged_gap), gap["base"]) == (2, logged_gap[0])
+    assert gap["last"] == pytest.approx(logged_gap[-1], rel=2**-23)
+
+    # Diversity and drift, as the last validation logged them.
+    last = _last_row_with(rows, "val-aux/drift")
+    assert trust["diversity"] == {"value": float(last["val-aux/diversity"]), "at_rollout": 2}
+    assert trust["drift"] == {"value": float(last["val-aux/drift"]), "at_rollout": 2}
+    assert trust["drift"]["value"] > 0  # two rollouts moved the samples from the base model's
+
+    # The KL term to the (frozen, initial) reference; DiffusionNFT has no ratio to check on-policy.
+    assert trust["kl_to_reference"]["reference"] == "the base model (the initial weights)"
+    _check_series(trust["kl_to_reference"], _column(rows, "actor/kl_loss"))
+    assert trust["on_policy_ratio_error"].startswith("not measured: the objective logs no importance ratio")
+    assert _column(rows, "actor/on_policy_ratio_err") and not _column(rows, "actor/ratio_mean")
+
+    # Validation: the base model's (Lightning's sanity check; HeldOutReport logs its tally at step 0,
+    # an fp32 mean here, float64 there) and the last evaluation's, key for key as logged.
+    validation = trust["validation"]
+    assert validation["base"]["at_rollout"] == 0 and validation["base"]["samples"] == 16
+    first = next(r for r in rows if r.get("val-core/shapes/strict/mean@1"))
+    for key in ("val-core/shapes/strict/mean@1", "val-aux/shapes/partial/mean@1"):
+        assert validation["base"]["values"][key] == pytest.approx(float(first[key]), rel=1e-6)
+    tuned_row = _last_row_with(rows, "val-aux/shapes/strict/unscored_count")
+    logged = {k: float(v) for k, v in tuned_row.items() if k.startswith(("val-core/", "val-aux/")) and v}
+    assert validation["last"] == {"at_rollout": 2, "samples": 16, "values": logged}
+
+    # The rollouts' rewards, first and last, and the counters as last logged.
+    reward_rows = [r for r in rows if r.get("critic/rewards/mean")]
+    for which, row, at in (("first", reward_rows[0], 1), ("last", reward_rows[-1], 2)):
+        keys = [k for k in row if k.startswith("critic/rewards/") and k.endswith("/mean") and row[k]]
+        assert trust["rewards"][which] == {"at_rollout": at, "values": {k: float(row[k]) for k in keys}}
+    counters = ("actor/dropped_samples", "actor/nonfinite_losses", "actor/skipped_optimizer_steps")
+    assert trust["counters"] == {k: int(float(reward_rows[-1][k])) for k in counters}
+
+    # The checkpoint holds the same card as plain data (a weights-only load).
+    assert _checkpoint_card(ckpt) == card
+
+
+# --------------------------------------------------------------------------------------------------
+# The tiny SD3 run, resumed once: the on-policy ratio error, sessions, and what it cannot measure
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_resumed_lora_run_carries_its_sessions_and_says_what_it_did_not_measure(
+    tiny_sd3_path: str, tmp_path: Path
+) -> None:
+    FlowGRPOCLI(args=tiny_fit_args(tiny_sd3_path, tmp_path))  # one rollout of 2 optimizer steps
+    first = _checkpoint_card(tmp_path / "checkpoints" / "last.ckpt")
+    FlowGRPOCLI(args=[*tiny_fit_args(tiny_sd3_path, tmp_path), "--trainer.max_steps=4", "--ckpt_path=last"])
+    runs = sorted(tmp_path.glob("lightning_logs/version_*"))
+    assert len(runs) == 2
+    card = _export(runs[-1] / "config.yaml", tmp_path / "exported")
+    metadata, export = card.pop("metadata"), card.pop("export")
+    rows = _rows(*runs)
+    trained, trust = card["trained"], card["trust"]
+
+    assert {"lit-flowgrpo", "flowgrpo", "lora"} <= set(metadata["tags"])
+    assert "base_model" not in metadata and "license" not in metadata  # a local folder; none given
+    assert trained["weights"]["lora"]["rank"] == 4 and trained["weights"]["lora"]["alpha"] == 8
+    # The adapter as peft applied it: the policy's default targets where the config left null.
+    assert trained["weights"]["lora"]["target_modules"] is None
+    adapter = trained["weights"]["adapter"]
+    assert (adapter["r"], adapter["lora_alpha"]) == (4, 8) and "attn.to_q" in adapter["target_modules"]
+    assert export["weights"] == "the EMA of the trained weights"  # tiny_sd3.yaml keeps an EMA
+    assert (trained["rollouts"], trained["optimizer_steps"]) == (2, 4)
+    assert trained["samples_generated"] == sum(_column(rows, "perf/total_num_images"))
+
+    # Two sessions: the first from the base model, the second from the first's last checkpoint.
+    assert first["sessions"] == card["sessions"][:1]
+    resumed = card["sessions"][1]
+    assert Path(resumed["resumed_from"]).parent == tmp_path / "checkpoints"
+    assert (resumed["at_rollout"], resumed["at_optimizer_step"]) == (1, 2)
+    assert trained["measured_from_rollout"] == 0  # the first checkpoint had a card: nothing was missed
+
+    # Measured over both sessions, as both logged them.
+    _check_series(trust["on_policy_ratio_error"], _column(rows, "actor/on_policy_ratio_err"))
+    assert trust["on_policy_ratio_error"]["max"] < 1e-6  # fp32 throughout: the check's tolerance
+    _check_series(trust["kl_to_reference"], _column(rows, "actor/kl_loss"))
+    assert trust["kl_to_reference"]["reference"] == "the base model (the initial weights)"
+
+    # What this run had no source for, each saying why.
+    assert trust["validation"]["base"].startswith("not measured: the base model was not validated")
+    assert "--trainer.num_sanity_val_steps=-1" in trust["validation"]["base"]
+    assert "HeldOutSource" in trust["held_out"]
+    for key in ("proxy_gap", "diversity", "drift"):
+        assert not is_measured(trust[key])
+    assert all(math.isfinite(v) for v in trust["validation"]["last"]["values"].values())
