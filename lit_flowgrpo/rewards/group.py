@@ -19,8 +19,9 @@ groups round-robin over the ranks in the order they first appear, has each rank 
 and gathers the values back, each from the rank that scored it. Each group is scored once and by one
 rank, on the same inputs in the same order as one process would, so R ranks give one process's
 values. The cost: one gather of the inputs, which for a reward on images (a pairwise judge) is every
-rank's images as uint8, (R - 1)·B·3·H·W bytes received per rank and step (B samples per rank: 12
-images of 512² are 9 MB a rank; 1152 on 32 ranks, flow_grpo's step, 0.9 GB); a reward with a
+rank's images as uint8, (R - 1)·B·3·H·W bytes received per rank and step, and held there while the
+step's groups are judged (B samples per rank: 12 images of 512² from one other rank are 9 MB; the
+1152 images of a flow_grpo step on 32 ranks, 0.9 GB on each); a reward with a
 ``prepare`` sends only what it makes (4 bytes a sample for a rank reward). The prompts and metadata go
 by ``all_gather_object`` (pickled between the run's own ranks), and two small gathers of flags keep
 the ranks in step when one fails: a group reward that raises on one rank raises on all of them.
