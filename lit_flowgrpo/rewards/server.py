@@ -278,8 +278,8 @@ class RewardServer:
                 f"the request is larger than the server's limit of {self.settings.max_request_mb} MiB: send fewer "
                 "images a request (the client's batch_size), or raise the server's --max_request_mb",
             )
-        try:
-            parsed = parse_request(raw)
+        try:  # decoding images takes a while: on another thread, so the loop keeps reading others
+            parsed = await asyncio.get_running_loop().run_in_executor(None, parse_request, raw)
         except ValueError as err:
             self.stats["rejected"] += 1
             return _error(web, 400, str(err))
