@@ -25,6 +25,9 @@ from cli_helpers import load_shipped, tiny_fit_args
 from lit_flowgrpo.cli import FlowGRPOCLI, main
 from lit_flowgrpo.run_card import (
     CHECKPOINT_KEY,
+    HeldOutGain,
+    HeldOutSource,
+    ProxyGap,
     checkpoint_card,
     is_measured,
     model_card,
@@ -95,6 +98,39 @@ def test_a_folder_without_a_card_is_refused(tmp_path: Path) -> None:
     (tmp_path / "README.md").write_text("# an adapter\n")
     with pytest.raises(ValueError, match="holds no run card"):
         read_card(str(tmp_path))
+
+
+def test_held_out_report_hands_over_its_paired_gain() -> None:
+    """HeldOutReport as a HeldOutSource: nothing before an evaluation after training; then the base and
+    the last evaluation with their paired difference (s/√n), and the proxy's gap from the base model on."""
+    report = HeldOutReport(proxy="shapes_color")
+    assert isinstance(report, HeldOutSource) and report.held_out_gain() is None
+    report.base, report.history, report.counts = (0.25, 4), [(0, 0.25)], [4]
+    report.base_values = torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=torch.float64)
+    assert report.held_out_gain() is None  # the base model only
+    report.history.append((3, 0.75))
+    report.counts.append(4)
+    report.last_values = torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=torch.float64)
+    report.proxy_history = [(0, 0.5, 0.25), (3, 0.9, 0.15)]
+    gain = report.held_out_gain()
+    # d = (1, 0, 1, 0): mean 1/2, sample standard deviation √(1/3), over √4.
+    assert gain == HeldOutGain(
+        "shapes/strict",
+        0.25,
+        4,
+        0.75,
+        4,
+        3,
+        0.5,
+        math.sqrt(1 / 3) / 2,
+        4,
+        ProxyGap("shapes_color", 0.5, 0.9, 0.25, 0.15),
+    )
+    # Resumed: the last evaluation is known, its per-sample verdicts are not (they are not saved).
+    report.last_values = None
+    assert report.held_out_gain() == HeldOutGain(
+        "shapes/strict", 0.25, 4, 0.75, 4, 3, proxy=ProxyGap("shapes_color", 0.5, 0.9, 0.25, 0.15)
+    )
 
 
 def test_not_measured_is_a_sentence_not_a_number() -> None:
