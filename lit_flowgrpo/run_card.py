@@ -319,8 +319,8 @@ def checkpoint_card(path: str, module: Any = None, *, use_ema: bool = True) -> d
 
 def model_card(card: Mapping[str, Any], *, license: str | None = None) -> Any:
     """``card`` as a ``huggingface_hub.ModelCard``: the Hub's metadata (``library_name``, ``tags``,
-    ``base_model`` when the base is a Hub id, ``license`` when given) with the whole card under
-    ``run_card``, and a Markdown page of it.
+    ``pipeline_tag`` from the policy's modality, ``base_model`` when the base is a Hub id, ``license``
+    when given) with the whole card under ``run_card``, and a Markdown page of it.
 
     ``license``: the exported weights' license (a Hub license id); ``None`` leaves the field out, since a
     fine-tune's license follows its base model's, which the run does not know.
@@ -340,11 +340,14 @@ def model_card(card: Mapping[str, Any], *, license: str | None = None) -> Any:
     weights = trained.get("weights")
     if isinstance(weights, Mapping):
         tags.append("lora" if weights.get("lora") is not None else "full-fine-tune")
+    task = None
     if isinstance(base, Mapping) and base.get("modality") in ("image", "video"):
-        tags.append(f"text-to-{base['modality']}")
+        task = f"text-to-{base['modality']}"  # the Hub's task of a text-conditioned generator
+        tags.append(task)
     data = ModelCardData(
         base_model=pretrained if on_hub else None,
         library_name="diffusers",
+        pipeline_tag=task,
         license=license,
         tags=tags,
         **{METADATA_KEY: dict(card)},

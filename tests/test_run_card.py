@@ -84,6 +84,7 @@ def test_base_model_is_in_the_metadata_only_for_a_hub_id(
 
     hub = "stabilityai/stable-diffusion-3.5-medium"
     assert metadata(hub)["base_model"] == hub
+    assert metadata(hub)["pipeline_tag"] == "text-to-image"  # from the policy's modality
     assert metadata(hub, "other")["license"] == "other"
     # A local folder is not a Hub repository, even when its path reads like one.
     monkeypatch.chdir(tmp_path)
@@ -222,6 +223,7 @@ def test_quickstart_export_carries_its_paired_gain_and_every_field_matches_the_l
 
     # The Hub's metadata: no base_model (the toy's shipped weights are on no Hub), the license given.
     assert metadata["library_name"] == "diffusers" and metadata["license"] == "apache-2.0"
+    assert metadata["pipeline_tag"] == "text-to-image"
     assert "base_model" not in metadata
     assert {"lit-flowgrpo", "diffusionnft", "full-fine-tune", "text-to-image"} <= set(metadata["tags"])
 
