@@ -209,6 +209,8 @@ PUBLISHED["hunyuanvideo15_480p_flowgrpo"] = {
     "eval_num_steps": 50,
     "performance": {"activation_checkpointing": True},  # compiled blocks not measured for this family
 }
+# SD3.5-Large: no published run; flow_grpo's pickscore_sd3 with its one model line set to the Large.
+PUBLISHED["sd35l_pickscore_flowgrpo"] = dict(PUBLISHED["sd35m_pickscore_flowgrpo"])
 
 FAMILY_FIXTURE = {
     "lit_flowgrpo.policies.SD3Policy": "tiny_sd3_path",
@@ -217,6 +219,8 @@ FAMILY_FIXTURE = {
     "lit_flowgrpo.policies.qwenimage.QwenImagePolicy": "tiny_qwenimage_path",
     "lit_flowgrpo.policies.wan.WanPolicy": "tiny_wan_path",
     "lit_flowgrpo.policies.hunyuanvideo15.HunyuanVideo15Policy": "tiny_hunyuanvideo15_path",
+    "lit_flowgrpo.policies.flux2.Flux2KleinPolicy": "tiny_flux2_path",
+    "lit_flowgrpo.policies.zimage.ZImagePolicy": "tiny_zimage_path",
 }
 #: The tiny pipeline of each Wan recipe (the A14B recipe runs the two-expert tiny).
 TINY_VARIANT = {"wan22_a14b_flowgrpo": "tiny_wan_a14b_path"}
@@ -480,6 +484,20 @@ def tiny_hunyuanvideo15_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_hunyuanvideo15(tmp_path_factory.mktemp("cfg_tiny_hunyuanvideo15"))
 
 
+@pytest.fixture(scope="session")
+def tiny_flux2_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from lit_flowgrpo.tiny.flux2 import build_tiny_flux2
+
+    return build_tiny_flux2(tmp_path_factory.mktemp("cfg_tiny_flux2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_zimage_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from lit_flowgrpo.tiny.zimage import build_tiny_zimage
+
+    return build_tiny_zimage(tmp_path_factory.mktemp("cfg_tiny_zimage"))
+
+
 def _tiny_run_config(cfg: dict[str, Any], pretrained: str, prompts: str, root: Path) -> dict[str, Any]:
     """The recipe, shrunk to one CPU rollout: 2 prompts x 4 samples at 32 px, tiny step counts,
     JPEG compressibility in place of rewards that need weights or a server, a CSV logger for W&B."""
@@ -700,3 +718,97 @@ def test_other_source_recipe_matches_and_runs_one_rollout(
     assert cli.model.sampler.sde_type == want["sde_type"]
     logged = {k: float(v) for k, v in cli.trainer.logged_metrics.items()}
     assert math.isfinite(logged["actor/loss"]) and logged["reward/failure_rate"] == 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Flow-Factory's recipes (examples/grpo/lora/<model>/default.yaml): its batch arithmetic (8 processes, one
+# image per device batch, `unique_sample_num_per_epoch` prompts x `group_size`, `gradient_step_per_epoch`
+# optimizer steps), a one-step SDE window drawn from its `sde_steps`, and one rollout on the tiny pipeline
+# --------------------------------------------------------------------------------------------------
+
+_FLOW_FACTORY = {
+    "gpus": 8,
+    "prompts_per_step": 48,
+    "group_size": 16,
+    "micro_batch_size": 1,
+    "optimizer_steps_per_rollout": 2,
+    "sde_type": "sde",
+    "sde_window_size": 1,
+    "clip_range": 1e-4,
+    "kl_coef": 0.0,
+    "lr": 3e-4,
+    "lora_rank": 64,
+    "lora_alpha": 128,
+    "advantage_std": "group",
+    "ema": {"decay": 0.9, "update_every": 8},  # ema_update_interval 4 epochs x 2 optimizer steps
+    "reward": "pickscore",
+}
+FLOW_FACTORY: dict[str, dict[str, Any]] = {
+    # flux2_klein_base/default.yaml: FLUX.2-klein-base-9B, 8 steps at 384 px, CFG 4.0, sde_steps [1, 2, 3]
+    "flux2_klein_pickscore_flowgrpo": {
+        **_FLOW_FACTORY,
+        "pretrained": "black-forest-labs/FLUX.2-klein-base-9B",
+        "num_steps": 8,
+        "eval_num_steps": 28,
+        "height": 384,
+        "guidance_scale": 4.0,
+        "noise_level": 0.7,
+        "sde_window_range": [1, 4],
+    },
+    # z_image_turbo/default.yaml: Z-Image-Turbo, 6 steps at 512 px, guidance 0 (the sampler's 1), sde_steps
+    # [1, 2, 3]
+    "zimage_turbo_pickscore_flowgrpo": {
+        **_FLOW_FACTORY,
+        "pretrained": "Tongyi-MAI/Z-Image-Turbo",
+        "num_steps": 6,
+        "eval_num_steps": 10,
+        "height": 512,
+        "guidance_scale": 1.0,
+        "noise_level": 0.7,
+        "sde_window_range": [1, 4],
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLOW_FACTORY))
+def test_flow_factory_recipe_matches_and_runs_one_rollout(
+    name: str, request: pytest.FixtureRequest, prompt_file: str, tmp_path: Path
+) -> None:
+    want = FLOW_FACTORY[name]
+    raw = _load(CONFIG_DIR / f"{name}.yaml")
+    trainer, model, data = raw["trainer"], raw["model"]["init_args"], raw["data"]["init_args"]
+    sampler, update = model["sampler"], model["update"]
+    assert trainer["devices"] * trainer["num_nodes"] == want["gpus"]
+    assert (data["prompts_per_step"], data["group_size"]) == (want["prompts_per_step"], want["group_size"])
+    assert (update["micro_batch_size"], update["optimizer_steps_per_rollout"]) == (
+        want["micro_batch_size"],
+        want["optimizer_steps_per_rollout"],
+    )
+    assert model["policy"]["init_args"]["pretrained"] == want["pretrained"]
+    for key in ("num_steps", "eval_num_steps", "height", "guidance_scale", "noise_level", "sde_type"):
+        assert sampler[key] == want[key], key
+    assert (sampler["sde_window_size"], sampler["sde_window_range"]) == (
+        want["sde_window_size"],
+        want["sde_window_range"],
+    )
+    assert update["train_cfg"] == (want["guidance_scale"] > 1)
+    assert model["objective"]["init_args"]["clip_range"] == want["clip_range"]
+    assert model["kl"]["coef"] == want["kl_coef"] and model["advantage"]["std"] == want["advantage_std"]
+    assert model["optimizer"]["init_args"]["lr"] == want["lr"]
+    lora = model["weights"]["lora"]
+    assert (lora["rank"], lora["alpha"]) == (want["lora_rank"], want["lora_alpha"])
+    callbacks = {c["class_path"].rsplit(".", 1)[-1]: c.get("init_args", {}) for c in trainer["callbacks"]}
+    assert callbacks["TrainableEMA"] == want["ema"]
+    assert list(model["reward"]["init_args"]["weights"]) == [want["reward"]]
+
+    fixture = FAMILY_FIXTURE[model["policy"]["class_path"]]
+    cfg = _tiny_run_config(raw, request.getfixturevalue(fixture), prompt_file, tmp_path)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cli = FlowGRPOCLI(args=["fit", "--config", str(path)])
+    assert cli.trainer.global_step == 2  # one rollout, the recipe's 2 optimizer steps
+    assert cli.model.sampler.sde_window_size == 1 and cli.model.policy.transformer.dtype == torch.bfloat16
+    logged = {k: float(v) for k, v in cli.trainer.logged_metrics.items()}
+    assert math.isfinite(logged["actor/loss"]) and logged["reward/failure_rate"] == 0.0
+    # bf16 weights: the update recomputes the rollout's log-probs within the module's bf16 tolerance.
+    assert logged["actor/on_policy_ratio_err"] <= 1e-3
