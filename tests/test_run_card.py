@@ -392,3 +392,63 @@ def test_a_resumed_lora_run_carries_its_sessions_and_says_what_it_did_not_measur
     for key in ("proxy_gap", "diversity", "drift"):
         assert not is_measured(trust[key])
     assert all(math.isfinite(v) for v in trust["validation"]["last"]["values"].values())
+
+
+# --------------------------------------------------------------------------------------------------
+# Two ranks: the card counts every rank's samples once and agrees with one process
+# --------------------------------------------------------------------------------------------------
+
+
+def _fit_card(pretrained: str, prompts: str, folder: Path, devices: int) -> dict[str, Any]:
+    """Two rollouts of 8 samples (2 prompts x 4) on ``devices`` CPU ranks; the card of the last checkpoint."""
+    import lightning as L
+    from ddp_helpers import CloseProcessGroup
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lit_flowgrpo import FlowGRPOModule, KLSettings, PromptDataModule, Sampler, UpdateSettings
+    from lit_flowgrpo.callbacks import FinalCheckpoint, RunCardRecorder
+    from lit_flowgrpo.policies import SD3Policy
+
+    module = FlowGRPOModule(
+        policy=SD3Policy(pretrained, dtype="float32", max_sequence_length=16),
+        reward={"jpeg_compressibility": 1.0},  # a registered name: ddp_spawn pickles the module
+        sampler=Sampler(num_steps=3, eval_num_steps=2, height=32, width=32),
+        update=UpdateSettings(micro_batch_size=2, optimizer_steps_per_rollout=1),
+        kl=KLSettings(coef=0.04),
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp_spawn" if devices > 1 else "auto",
+        callbacks=[
+            RunCardRecorder(),
+            FinalCheckpoint(),
+            ModelCheckpoint(dirpath=folder, save_last=True),
+            CloseProcessGroup(),
+        ],
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(module, datamodule=PromptDataModule(train=prompts, prompts_per_step=2, group_size=4, seed=5))
+    return _checkpoint_card(folder / "last.ckpt")
+
+
+@pytest.mark.slow
+def test_two_ranks_count_every_sample_once(tiny_sd3_path: str, prompt_file: str, tmp_path: Path) -> None:
+    import os
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    one = _fit_card(tiny_sd3_path, prompt_file, tmp_path / "one", devices=1)
+    two = _fit_card(tiny_sd3_path, prompt_file, tmp_path / "two", devices=2)
+    for card in (one, two):
+        assert (card["trained"]["rollouts"], card["trained"]["samples_generated"]) == (2, 16)
+    assert [s["hardware"]["world_size"] for s in one["sessions"] + two["sessions"]] == [1, 2]
+    # The module logs the same values on every rank (the on-policy error and the KL reduced over
+    # ranks), so the card of rank 0 holds what any rank saw: checked here against one process only for
+    # presence and count; their values differ by the ranks' summation order (tests/test_ddp.py).
+    for key in ("on_policy_ratio_error", "kl_to_reference"):
+        assert one["trust"][key]["rollouts"] == two["trust"][key]["rollouts"] == 2
