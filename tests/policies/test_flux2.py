@@ -9,6 +9,7 @@ import pytest
 import torch
 from diffusers import Flux2KleinPipeline, Flux2Pipeline
 from peft import LoraConfig
+from recipe_run import fit_export_resume
 from tolerances import depth, network_atol, sampling_layers
 
 from lit_flowgrpo.policies.flux2 import Flux2DevPolicy, Flux2KleinPolicy
@@ -208,3 +209,14 @@ def test_public_specs_have_the_published_sizes() -> None:
     with torch.device("meta"):
         vae = AutoencoderKLFlux2(**SPECS["flux2_klein4b"]["vae"])
     assert 4 * vae.config.latent_channels == SPECS["flux2_klein4b"]["transformer"]["in_channels"]
+
+
+@pytest.mark.slow
+def test_the_recipe_trains_exports_and_resumes_on_the_tiny_pipeline(
+    paths: dict[str, str], prompt_file: str, tmp_path
+) -> None:
+    """configs/flux2_klein_pickscore_flowgrpo.yaml end to end on the tiny klein, on the CPU: fit (rollout,
+    reward, update, checkpoint), export (read back by Flux2KleinPipeline.load_lora_weights), resume."""
+    fit_export_resume(
+        "flux2_klein_pickscore_flowgrpo.yaml", paths["klein"], Flux2KleinPipeline, prompt_file, tmp_path
+    )

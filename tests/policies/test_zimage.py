@@ -9,6 +9,7 @@ import pytest
 import torch
 from diffusers import ZImagePipeline
 from peft import LoraConfig
+from recipe_run import fit_export_resume
 
 from lit_flowgrpo.policies.zimage import ZImagePolicy
 from lit_flowgrpo.tiny.specs import SPECS
@@ -150,3 +151,19 @@ def test_public_spec_has_the_published_size() -> None:
     assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(6.15, abs=0.01)
     assert SPECS["zimage"]["transformer"] == SPECS["zimage_turbo"]["transformer"]
     assert (SPECS["zimage_turbo"]["scheduler"]["shift"], SPECS["zimage"]["scheduler"]["shift"]) == (3.0, 6.0)
+
+
+@pytest.mark.slow
+def test_the_recipe_trains_exports_and_resumes_on_the_tiny_pipeline(
+    paths: dict[str, str], prompt_file: str, tmp_path
+) -> None:
+    """configs/zimage_turbo_pickscore_flowgrpo.yaml end to end on the tiny Turbo, on the CPU: fit (rollout,
+    reward, update, checkpoint), export (read back by ZImagePipeline.load_lora_weights), resume."""
+    fit_export_resume(
+        "zimage_turbo_pickscore_flowgrpo.yaml",
+        paths["turbo"],
+        ZImagePipeline,
+        prompt_file,
+        tmp_path,
+        max_len=MAX_LEN,
+    )
