@@ -431,7 +431,7 @@ class HPSv3Reward:
     def __call__(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> dict[str, Tensor]:
         """``mu`` and ``sigma``, each (B,) fp32; NaN for a prompt that spells the reward token."""
         from lit_flowgrpo.rewards.images import to_pil
-        from lit_flowgrpo.rewards.qwen_vl import encode_images, hidden_states
+        from lit_flowgrpo.rewards.qwen_vl import chat_text, encode_images, hidden_states
 
         check_images(images)
         if len(prompts) != images.shape[0]:
@@ -440,23 +440,8 @@ class HPSv3Reward:
         device = torch.device(self.device) if self.device else images.device
         backbone = place(self.backbone, device, self.dtype)
         head = place(self.head, device, "float32")
-        # Qwen2-VL's chat template (the base tokenizer's), one user turn: the image, then the instruction.
-        texts = [
-            self.tokenizer.apply_chat_template(
-                [
-                    {
-                        "role": "user",
-                        "content": [
-                            {"type": "image"},
-                            {"type": "text", "text": self.instruction.format(text_prompt=p)},
-                        ],
-                    }
-                ],
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-            for p in prompts
-        ]
+        # Qwen2-VL's chat template, one user turn: the image, then the instruction.
+        texts = [chat_text(self.tokenizer, "image", self.instruction.format(text_prompt=p)) for p in prompts]
         batch = encode_images(self.tokenizer, self.image_processor, texts, to_pil(images))
         hidden, ok = hidden_states(backbone, {k: v.to(device) for k, v in batch.items()}, [self.token_id])
         logits = head(hidden[:, 0].float())  # (B, 2) fp32: (μ, log σ)

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 __all__ = [
     "IMAGE_PAD",
     "backbone_key",
+    "chat_text",
     "encode_images",
     "hidden_states",
     "load_backbone",
@@ -135,6 +136,27 @@ def load_backbone(base: str, state: dict[str, Tensor], vocab_size: int, flag: st
             f"unexpected {list(info['unexpected_keys'])[:3]}"
         )
     return model
+
+
+QWEN2VL_SYSTEM = "You are a helpful assistant."
+"""The system turn Qwen2-VL's chat template writes when the conversation has none."""
+
+
+def chat_text(tokenizer: Any, vision: str, text: str) -> str:
+    """One user turn of an ``"image"`` or a ``"video"`` then ``text``, and the assistant's prompt, as
+    Qwen2-VL's chat template renders it (the published rewards' ``apply_chat_template(...,
+    add_generation_prompt=True)``). The tokenizer's own template when it carries one; when it carries
+    none (the template may live only in the processor's ``chat_template.json``), that rendering
+    written out: the default system turn, the vision placeholder between its start and end tokens.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        message = {"role": "user", "content": [{"type": vision}, {"type": "text", "text": text}]}
+        return tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
+    pad = "<|image_pad|>" if vision == "image" else "<|video_pad|>"
+    return (
+        f"<|im_start|>system\n{QWEN2VL_SYSTEM}<|im_end|>\n<|im_start|>user\n"
+        f"<|vision_start|>{pad}<|vision_end|>{text}<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def load_tokenizer(base: str, reward_tokens: list[str]) -> Any:

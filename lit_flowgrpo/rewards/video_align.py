@@ -351,6 +351,8 @@ class VideoAlignReward:
 
     def _encode(self, videos: Tensor, prompts: list[str]) -> dict[str, Tensor]:
         """Token ids and patches of B videos (B, F, 3, H, W) in [0, 1] and their prompts."""
+        from lit_flowgrpo.rewards.qwen_vl import chat_text
+
         v = self.vision
         index = sample_frames(videos.shape[1], self.source_fps, self.fps)
         h, w = smart_resize(videos.shape[3], videos.shape[4], VIDEO_MIN_PIXELS, self.max_frame_pixels)
@@ -367,19 +369,9 @@ class VideoAlignReward:
         )
         pads = int(grids[0].prod()) // v["merge"] ** 2
         texts = [
-            self.tokenizer.apply_chat_template(
-                [
-                    {
-                        "role": "user",
-                        "content": [
-                            {"type": "video"},
-                            {"type": "text", "text": VIDEO_ALIGN_TEMPLATE.format(text_prompt=p)},
-                        ],
-                    }
-                ],
-                tokenize=False,
-                add_generation_prompt=True,
-            ).replace(VIDEO_PAD, VIDEO_PAD * pads, 1)
+            chat_text(self.tokenizer, "video", VIDEO_ALIGN_TEMPLATE.format(text_prompt=p)).replace(
+                VIDEO_PAD, VIDEO_PAD * pads, 1
+            )
             for p in prompts
         ]
         tokens = self.tokenizer(texts, padding=True, return_tensors="pt")

@@ -19,12 +19,13 @@ from lit_flowgrpo.rewards.hps import HPSV3_INSTRUCTION, HPSv3Reward
 PIXELS = 56 * 56  # 4 x 4 patches of 14 px, 2 x 2 merged tokens per image
 PROMPTS = ["a red cube", "two cats on a bench under a tree", "sky", "hello"]
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-# Qwen2-VL's chat template, reduced to what one user turn of an image and a text renders.
+# Qwen2-VL's chat template, reduced to what one user turn of an image or a video and a text renders.
 CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
     "<|im_start|>{{ message['role'] }}\n{% for content in message['content'] %}"
     "{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% else %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -219,3 +220,20 @@ def test_hpsv3_settings_are_checked_before_loading(tmp_path: Path) -> None:
         build_reward("hpsv3", checkpoint="org/repo/file.safetensors", instruction="no placeholder <|Reward|>")
     with pytest.raises(ValueError, match=r"hpsv3\.pixels"):
         build_reward("hpsv3", checkpoint="org/repo/file.safetensors", pixels=100)
+
+
+def test_chat_text_without_a_template_is_qwen2vls_rendering(tmp_path: Path) -> None:
+    """A base whose tokenizer carries no chat template gets the same text as one whose template renders it."""
+    from lit_flowgrpo.rewards.qwen_vl import chat_text
+
+    _, tokenizer = tiny_qwen2vl_base(tmp_path, extra_tokens=0)
+    for vision in ("image", "video"):
+        templated = chat_text(tokenizer, vision, "rate this")
+        tokenizer.chat_template = None
+        assert chat_text(tokenizer, vision, "rate this") == templated.replace(
+            "<|image_pad|>", f"<|{vision}_pad|>"
+        )
+        tokenizer.chat_template = CHAT_TEMPLATE
+    assert templated.startswith(
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    )
