@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from lit_flowgrpo.distributed import DataParallel
 from lit_flowgrpo.errors import flag
 from lit_flowgrpo.image_data import ImageBatch, ImageDataModule
 from lit_flowgrpo.policies.base import Embeds, FlowPolicy
+from lit_flowgrpo.rollout import RolloutBatch
 from lit_flowgrpo.step_output import StageClock, StepOutput
 
 __all__ = [
@@ -73,6 +74,49 @@ class DataBatch:
     def with_rows(self, rows: dict[str, Tensor]) -> DataBatch:
         embeds = {k: rows[f"embeds.{k}"] for k in self.embeds}
         return DataBatch(rows["latents"], embeds, rows["sample_ids"], rows["keep"], rows.get("rejected"))
+
+
+@dataclass
+class RolloutWithImages(RolloutBatch):
+    """A rollout batch whose samples also carry their records' images as clean latents (an RL objective
+    with the SFT loss beside it: :class:`~lit_flowgrpo.data_objective.WithSFT`)."""
+
+    images: Tensor | None = None
+    """(B, *latent) fp32: x0 of each sample's record image."""
+
+    def rows(self) -> dict[str, Tensor]:
+        assert self.images is not None
+        return {**super().rows(), "images": self.images}
+
+    def with_rows(self, rows: dict[str, Tensor]) -> RolloutWithImages:
+        base = super().with_rows(rows)
+        return RolloutWithImages(
+            **{f.name: getattr(base, f.name) for f in fields(base)}, images=rows["images"]
+        )
+
+
+def beside_rollout(
+    source: str,
+    rollout: RolloutBatch,
+    rewards: Tensor,
+    batch: PromptBatch,
+    policy: FlowPolicy,
+    dp: DataParallel,
+    log: Callable,
+) -> RolloutBatch | RolloutWithImages | DataBatch:
+    """What the update walks after a rollout, by the objective's ``learns_from``: the rollout itself
+    (``rollout``), online DPO's pairs (``rollout_pairs``: :func:`rollout_pairs`), or the rollout with the
+    records' images encoded beside it (``rollout_images``)."""
+    if source == "rollout_pairs":
+        return rollout_pairs(rollout.trajectory.final, rollout.embeds, rewards, batch, dp, log)
+    if source == "rollout_images":
+        if not isinstance(batch, ImageBatch) or batch.images is None:
+            raise TypeError(
+                "an RL objective with SFT beside it needs --data=lit_flowgrpo.image_data.ImageDataModule"
+            )
+        images = encode_images(policy, batch.images.to(rollout.advantages.device))
+        return RolloutWithImages(**{f.name: getattr(rollout, f.name) for f in fields(rollout)}, images=images)
+    return rollout
 
 
 @torch.no_grad()
@@ -205,12 +249,18 @@ def data_problems(objective: Any, sampler: Any, dm: Any, full_fine_tune: bool, k
         )
     if dm is None:
         return p
+    if source == "rollout_images" and not isinstance(dm, ImageDataModule):
+        return [
+            *p,
+            f"--data={type(dm).__name__}: {name} learns beside images, use lit_flowgrpo.image_data.ImageDataModule",
+        ]
     if source not in ("data", "data_pairs"):
         if isinstance(dm, ImageDataModule) and dm.group_size < 2:
             p.append(
                 f"--data.init_args.group_size ({dm.group_size}) must be at least 2 with {name}: it compares a group"
             )
-        return p
+        if source != "rollout_images":
+            return p
     if not isinstance(dm, ImageDataModule):
         return [
             *p,

@@ -22,15 +22,16 @@ from lit_flowgrpo.algorithms import (
     sft_loss,
     training_sigma,
 )
+from lit_flowgrpo.data_batch import DataBatch
 from lit_flowgrpo.errors import flag
 from lit_flowgrpo.kl import KLSettings
 from lit_flowgrpo.metrics import DiagnosticsSettings, DictMetric, DPODiagnostics, SFTDiagnostics
-from lit_flowgrpo.objective import Objective
+from lit_flowgrpo.objective import Objective, build_objective
 from lit_flowgrpo.policies.base import index_embeds
 from lit_flowgrpo.rollout import Record, Sampler, initial_noise, per_sample_generators
 from lit_flowgrpo.visit import Visit, VisitContext
 
-__all__ = ["SFT", "DiffusionDPO", "FlowMatchingOnImages"]
+__all__ = ["SFT", "DiffusionDPO", "FlowMatchingOnImages", "WithSFT"]
 
 
 @dataclass(repr=False)
@@ -250,3 +251,94 @@ class DiffusionDPO(FlowMatchingOnImages):
         self, num_steps: int, settings: DiagnosticsSettings, process_group: Any = None
     ) -> DictMetric:
         return DPODiagnostics(process_group=process_group)
+
+
+@dataclass(repr=False)
+class WithSFT(Objective):
+    """An RL objective with the SFT loss beside it: loss = the RL objective's + ``coef`` × the flow-matching
+    loss on the records' images of the same prompts (an :class:`~lit_flowgrpo.image_data.ImageDataModule`
+    with ``group_size`` ≥ 2: each group's prompt brings its record's image). The SFT term holds the policy
+    near the data while the reward moves it (the SFT regulariser of a pipeline that fine-tunes, then
+    RL-tunes, without leaving the data).
+
+    Each sample the update trains gets one SFT visit after the RL objective's visits (the samples the
+    RL objective drops, zero-advantage ones under ``advantage.filter_zero``, get none). The update
+    averages over visits, so the RL visits are scaled by (n + 1)/n and the SFT visit by coef·(n + 1):
+    what is minimised is the RL loss (its mean over its n visits) + coef × the SFT loss. ``actor/loss``
+    is that sum; ``actor/pg_loss`` averages the RL visits' terms with the SFT visit's 0. The diagnostics
+    are the RL objective's.
+
+    Args:
+        rl: the RL objective by its registered name (``flow_grpo``, ``grpo_guard``, ``flow_dppo``, ...).
+        rl_settings: its settings (the fields of its class).
+        coef: the SFT loss's weight.
+        sft: the SFT term's settings (:class:`SFT`'s fields: σ distribution, weighting, shift).
+    """
+
+    name: ClassVar[str] = "with_sft"
+    learns_from: ClassVar[str] = "rollout_images"
+
+    rl: str = "flow_grpo"
+    rl_settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    coef: float = 0.1
+    sft: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._rl = build_objective(self.rl, **self.rl_settings)
+        self._sft = SFT(**self.sft)
+        if self._rl.learns_from != "rollout":
+            raise ValueError(f"WithSFT's rl ({self.rl!r}) must be an RL objective that learns from a rollout")
+
+    @property
+    def records(self) -> tuple[Record, ...]:  # type: ignore[override]
+        return self._rl.records
+
+    @property
+    def sde_types(self) -> tuple[str, ...]:  # type: ignore[override]
+        return self._rl.sde_types
+
+    @property
+    def old_policy(self) -> bool:  # type: ignore[override]
+        return self._rl.old_policy
+
+    @property
+    def default_kl_coef(self) -> float:  # type: ignore[override]
+        return self._rl.default_kl_coef
+
+    def problems(self, sde_type: str, flag_path: str = "") -> list[str]:
+        a = flag_path or flag("objective")
+        p = self._rl.problems(sde_type, f"{a}.rl_settings") + self._sft.problems(sde_type, f"{a}.sft")
+        if not (self.coef >= 0 and math.isfinite(self.coef)):
+            p.append(f"{a}.coef ({self.coef}) must be a finite number >= 0")
+        return p
+
+    def sampler_problems(self, sampler: Sampler, kl: KLSettings) -> list[str]:
+        return self._rl.sampler_problems(sampler, kl)
+
+    def old_policy_decay(self, optimizer_steps: int) -> float | None:
+        return self._rl.old_policy_decay(optimizer_steps)
+
+    def rollout_records(self, diagnostics: DiagnosticsSettings) -> tuple[Record, ...]:
+        return self._rl.rollout_records(diagnostics)
+
+    def visits(self, batch: Any) -> Sequence[int]:
+        return range(len(self._rl.visits(batch)) + 1)
+
+    def visit(self, ctx: VisitContext, batch: Any, idx: Tensor, live: int, v: int) -> Visit:
+        """The RL objective's visit ``v`` (scaled), or, after its last, the SFT visit to the images."""
+        n = len(self._rl.visits(batch))
+        if v < n:
+            out = self._rl.visit(ctx, batch, idx, live, v)
+            return dataclasses.replace(out, loss=out.loss * ((n + 1) / n))
+        images = DataBatch(batch.images, batch.embeds, batch.sample_ids, batch.keep)
+        out = self._sft.visit(ctx, images, idx, live, 0)
+        zero = torch.zeros((), device=out.loss.device)
+        return Visit(out.loss * (self.coef * (n + 1)), zero, zero, zero, None)
+
+    def diagnostics(
+        self, num_steps: int, settings: DiagnosticsSettings, process_group: Any = None
+    ) -> DictMetric:
+        return self._rl.diagnostics(num_steps, settings, process_group)
+
+    def diagnostics_values(self, metric: DictMetric, optimizer_steps: int) -> dict[str, float]:
+        return self._rl.diagnostics_values(metric, optimizer_steps)

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lit_flowgrpo.advantages import AdvantageSettings, KLGateController
 from lit_flowgrpo.data import PromptBatch
-from lit_flowgrpo.data_batch import DataBatch, data_problems, data_step, rollout_pairs, stage_timings
+from lit_flowgrpo.data_batch import DataBatch, beside_rollout, data_problems, data_step, stage_timings
 from lit_flowgrpo.distributed import DataParallel
 from lit_flowgrpo.errors import SettingsError, flag
 from lit_flowgrpo.kl import KLSettings
@@ -258,8 +258,8 @@ class FlowGRPOModule(L.LightningModule):
         advantages, keep, kl_weights = self._advantages(rewards, batch, images)
         rollout = RolloutBatch(traj, embeds, advantages, batch.sample_ids.to(self.device), keep, kl_weights)
         clock.begin("update_actor")
-        if self.objective.learns_from == "rollout_pairs":  # online DPO: each group's best against its worst
-            rollout = rollout_pairs(traj.final, embeds, rewards.total, batch, self.data_parallel, self.log)
+        dp, source = self.data_parallel, self.objective.learns_from  # online DPO's pairs; images beside
+        rollout = beside_rollout(source, rollout, rewards.total, batch, self.policy, dp, self.log)
         done = self._update(rollout, batch.step, clock)
         timings = stage_timings(clock, done.reference_s)
         self._log_step()

@@ -16,11 +16,11 @@ from test_datasets_images import write_images
 from test_module import lora_state, make_data, make_module, make_trainer
 from tolerances import EPS32
 
-from lit_flowgrpo.data_objective import SFT, DiffusionDPO
+from lit_flowgrpo.data_objective import SFT, DiffusionDPO, WithSFT
 from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.image_data import ImageDataModule
 from lit_flowgrpo.kl import ReferenceSettings
-from lit_flowgrpo.objective import build_objective
+from lit_flowgrpo.objective import FlowGRPO, build_objective
 
 SIZE = 32
 
@@ -213,3 +213,39 @@ def test_ddp_two_processes_equal_single_process(tiny_sd3_path, tmp_path):
     assert all(torch.allclose(b[k], v, rtol=2 * EPS32, atol=atol) for k, v in a.items())
     halved = {k: v / 2 for k, v in a.items() if "lora_B" in k}  # the check sees a halved step
     assert not all(torch.allclose(b[k], v, rtol=0, atol=atol) for k, v in halved.items())
+
+
+def _with_sft_run(path: str, index: str, root: Path, objective) -> dict[str, torch.Tensor]:
+    module = make_module(
+        path,
+        objective=objective,
+        kl_coef=0.0,
+        guidance_scale=1.0,
+        num_steps=3,
+        optimizer_steps_per_rollout=1,
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+    )
+    trainer = make_trainer(root, max_steps=1, logger=False)
+    trainer.fit(module, datamodule=data_module(index, False, prompts_per_step=2, group_size=4))
+    assert torch.isfinite(trainer.logged_metrics["actor/loss"])
+    return lora_state(module)
+
+
+def test_rl_with_sft_beside_is_the_rl_loss_plus_the_weighted_sft_loss(tiny_sd3_path, tmp_path):
+    index = write_images(tmp_path / "data", 4, size=SIZE)
+    plain = _with_sft_run(tiny_sd3_path, index, tmp_path / "a", FlowGRPO(clip_range=1e-2))
+    rl = {"clip_range": 1e-2}
+    zero = _with_sft_run(
+        tiny_sd3_path, index, tmp_path / "b", WithSFT(rl="flow_grpo", rl_settings=rl, coef=0.0)
+    )
+    beside = _with_sft_run(
+        tiny_sd3_path, index, tmp_path / "c", WithSFT(rl="flow_grpo", rl_settings=rl, coef=1.0)
+    )
+    # coef 0: the RL visits scaled by (n + 1)/n and averaged over n + 1 visits are the plain run's mean
+    # over n, up to the rounding of that scale (a few ulps of each gradient term); SGD moves the weights
+    # by lr × gradient, so the weights agree to that over the LoRA step.
+    moved = max(float(v.abs().max()) for k, v in plain.items() if "lora_B" in k)
+    assert moved > 0
+    assert all(torch.allclose(zero[k], v, rtol=0, atol=16 * EPS32 * moved) for k, v in plain.items())
+    # coef 1: the SFT term moves the weights elsewhere.
+    assert not all(torch.allclose(beside[k], v, rtol=0, atol=1e-3 * moved) for k, v in plain.items())
