@@ -237,3 +237,19 @@ def test_chat_text_without_a_template_is_qwen2vls_rendering(tmp_path: Path) -> N
     assert templated.startswith(
         "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
     )
+
+
+def test_hpsv3_in_bfloat16_as_released(tiny_hpsv3) -> None:
+    root = tiny_hpsv3[0]
+    images = torch.rand(2, 3, 56, 56, generator=torch.Generator().manual_seed(2))
+    full = _reward(root)(images, PROMPTS[:2], [{}] * 2)
+    reward = build_reward(
+        "hpsv3", checkpoint=str(root / "HPSv3.safetensors"), base=str(root / "base"), pixels=PIXELS
+    )
+    assert reward.dtype == "bfloat16"  # the default: HPSv3 was trained and released in bf16
+    half = reward(images, PROMPTS[:2], [{}] * 2)
+    assert next(reward.backbone.parameters()).dtype == torch.bfloat16
+    assert next(reward.head.parameters()).dtype == torch.float32 and half["mu"].dtype == torch.float32
+    # bf16 keeps 8 bits (eps 2^-8); the hidden state carries a rounding from each of the embedding, the two
+    # decoder layers' attention and MLP and the final norm, each relative to values of order 1: 8 eps.
+    torch.testing.assert_close(half["mu"], full["mu"], atol=8 * 2**-8, rtol=0)
