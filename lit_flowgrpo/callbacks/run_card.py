@@ -106,15 +106,19 @@ class RunCardRecorder(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        generated = torch.tensor(int(as_mapping(outputs).get("num_images") or 0), device=pl_module.device)
+        out = as_mapping(outputs)
+        generated = torch.tensor(int(out.get("num_images") or 0), device=pl_module.device)
         self._samples += int(DataParallel.of(trainer).stack(generated).sum())  # a collective: every rank
         self._rollouts_seen += 1
         metrics = _floats(trainer.callback_metrics)
         rollout = _rollouts_done(trainer) + 1  # Lightning counts this batch after its batch-end hooks
+        # callback_metrics keeps a key's last value: after a rollout whose update trained no sample (on
+        # any rank) the on-policy error and the KL there are an earlier rollout's.
+        updated = sum(out.get("kept_per_rank") or [1]) > 0
         self._ratio_logged |= "actor/ratio_mean" in metrics
-        if "actor/on_policy_ratio_err" in metrics and "actor/ratio_mean" in metrics:
+        if updated and "actor/on_policy_ratio_err" in metrics and "actor/ratio_mean" in metrics:
             self._on_policy.add(metrics["actor/on_policy_ratio_err"])
-        if "actor/kl_loss" in metrics and _reference_runs(pl_module) is not False:
+        if updated and "actor/kl_loss" in metrics and _reference_runs(pl_module) is not False:
             self._kl.add(metrics["actor/kl_loss"])
         if "actor/reference_refreshes" in metrics:
             self._refreshes = int(metrics["actor/reference_refreshes"])
