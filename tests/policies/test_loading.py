@@ -7,11 +7,18 @@ import pytest
 import torch
 
 import lit_flowgrpo.policies.base as base
-from lit_flowgrpo.policies import FlowPolicy, FluxPolicy, QwenImagePolicy, SD3Policy
+from lit_flowgrpo.policies import (
+    FlowPolicy,
+    Flux2KleinPolicy,
+    FluxPolicy,
+    QwenImagePolicy,
+    SD3Policy,
+    ZImagePolicy,
+)
 from lit_flowgrpo.toy import ToyPolicy
 from lit_flowgrpo.toy.model import ToyModelConfig, build_models, save_checkpoint
 
-FAMILIES = ("sd3", "flux", "qwenimage", "toy")
+FAMILIES = ("sd3", "flux", "qwenimage", "toy", "flux2", "zimage")
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +39,12 @@ def make_policy(family: str, request: pytest.FixtureRequest, dtype: str) -> Flow
         return QwenImagePolicy(
             request.getfixturevalue("tiny_qwenimage_path"), dtype=dtype, max_sequence_length=16
         )
+    if family == "flux2":
+        return Flux2KleinPolicy(
+            request.getfixturevalue("tiny_flux2_path"), dtype=dtype, max_sequence_length=16
+        )
+    if family == "zimage":
+        return ZImagePolicy(request.getfixturevalue("tiny_zimage_path"), dtype=dtype, max_sequence_length=16)
     return ToyPolicy(request.getfixturevalue("toy_checkpoint"), dtype=dtype)
 
 
@@ -71,6 +84,8 @@ def test_dtype_keyword_follows_the_installed_diffusers(
         (FluxPolicy("org/flux"), 16),
         (QwenImagePolicy("org/qwen"), 16),
         (ToyPolicy(), 4),
+        (Flux2KleinPolicy("org/flux2"), 16),
+        (ZImagePolicy("org/zimage"), 16),
     ],
     ids=FAMILIES,
 )
