@@ -29,7 +29,7 @@ from lit_flowgrpo import (
     WeightsSettings,
 )
 from lit_flowgrpo.performance import PerformanceSettings
-from lit_flowgrpo.policies import WanPolicy
+from lit_flowgrpo.policies import HunyuanVideo15Policy, WanPolicy
 from lit_flowgrpo.strategies import FSDP2Strategy, end_distributed_process
 
 
@@ -81,10 +81,16 @@ class Recorder(FlowGRPOModule):
         return Path(self.out) / f"rank{self.global_rank}_{name}"
 
 
+#: The tiny pipeline's family (``config["family"]``, Wan by default).
+POLICIES = {"wan": WanPolicy, "hunyuanvideo15": HunyuanVideo15Policy}
+
+
 def build(config: dict[str, Any]) -> tuple[Recorder, PromptDataModule]:
     module = Recorder(
         out=config["out"],
-        policy=WanPolicy(config["pipeline"], dtype="float32", max_sequence_length=16),
+        policy=POLICIES[config.get("family", "wan")](
+            config["pipeline"], dtype="float32", max_sequence_length=16
+        ),
         reward=Brightness(),
         objective=FlowGRPO(clip_range=1e-2),
         # 4 samples per rollout chunk: every run here draws the same chunks of the same samples, whatever

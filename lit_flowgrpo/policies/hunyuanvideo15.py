@@ -20,9 +20,18 @@ and the causal video VAE ``AutoencoderKLHunyuanVideo15``. The pieces, each as th
   pipeline runs two);
 - decoding: latents / ``scaling_factor``, the VAE, then the video processor.
 
-Sequence parallelism: not offered. ``HunyuanVideo15Transformer3DModel`` has no context-parallel plan
-(``_cp_plan``) in diffusers 0.42, and its joint attention builds a (tokens × tokens) mask from the
-tokens it holds, which Ulysses attention would have to receive for the gathered sequence.
+Sequence parallelism (``performance.sequence_parallel``): diffusers 0.42 gives
+``HunyuanVideo15Transformer3DModel`` no context-parallel plan (``_cp_plan``), so :meth:`load` gives the
+loaded transformer one (:data:`CONTEXT_PARALLEL_PLAN`, the form of Wan's and FLUX's plans), which
+:func:`lit_flowgrpo.sequence_parallel.attach_sequence_parallel` applies as it applies theirs: the video
+tokens (and their rotary embedding) and the joint text tokens are split along the sequence before the
+first block, the output projection's result gathered. Two things diffusers' own pieces do not do, done
+here: the joint attention's processor builds a (tokens × tokens) mask from the tokens a rank holds,
+which Ulysses attention cannot take (its keys are the gathered sequence), so under a parallel config the
+blocks use :class:`UlyssesJointAttnProcessor`, which masks the keys only (a padded query's output reaches
+nothing: its token is masked as a key everywhere and the text stream ends at the last block); and the
+text (729 image rows + 256 glyph + ``max_sequence_length`` tokens) is padded with masked rows to a
+multiple of the split.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 from torch import Tensor, nn
 
 from lit_flowgrpo.policies.base import (
@@ -51,10 +62,82 @@ from lit_flowgrpo.policies.base import (
 from lit_flowgrpo.policies.packed import PRETRAINED_FLAG
 
 _FLAG = "--model.init_args.policy.init_args"
-#: The VAE's temporal factor (AutoencoderKLHunyuanVideo15's ``temporal_compression_ratio``).
-TEMPORAL_FACTOR = 4
+#: The VAE's temporal and spatial factors (AutoencoderKLHunyuanVideo15's ``temporal_compression_ratio``
+#: and ``spatial_compression_ratio`` in every release).
+TEMPORAL_FACTOR, SPATIAL_FACTOR = 4, 16
 #: ``HunyuanVideo15Pipeline.tokenizer_max_length``: the Qwen2.5-VL states kept after the template.
 MAX_PROMPT_TOKENS = 1000
+
+
+def _context_parallel_plan(blocks: int) -> dict[str, Any]:
+    """Where the transformer's forward splits and gathers its tokens, in diffusers' plan format (whose
+    classes only diffusers' private ``_modeling_parallel`` module exports): the rotary embedding's
+    (cos, sin) rows split with the video tokens; the first block's video tokens and joint text tokens
+    split along the sequence (the blocks after it get them split from it); the text mask, which the
+    transformer hands every block afresh, split at every one of the ``blocks``; the output projection's
+    tokens gathered."""
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    rope = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
+    tokens = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
+    mask = {"attention_mask": ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)}
+    plan: dict[str, Any] = {"rope": {0: rope, 1: rope}}
+    plan["transformer_blocks.0"] = {"hidden_states": tokens, "encoder_hidden_states": tokens, **mask}
+    plan.update({f"transformer_blocks.{i}": mask for i in range(1, blocks)})
+    plan["proj_out"] = ContextParallelOutput(gather_dim=1, expected_dims=3)
+    return plan
+
+
+class UlyssesJointAttnProcessor(HunyuanVideo15AttnProcessor2_0):
+    """diffusers' ``HunyuanVideo15AttnProcessor2_0`` (0.42), the same steps, but under a context-parallel
+    config it masks the keys only, with a (B, 1, 1, tokens) mask that Ulysses attention gathers with the
+    keys; without one it is diffusers' processor, unchanged.
+
+    Written here because diffusers' processor builds a (B, 1, S, S) query-and-key mask from the S tokens
+    a rank holds, which does not fit the gathered keys. Masking the keys alone changes the rows of
+    padded text queries only, whose outputs never reach a video token."""
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: Tensor,
+        encoder_hidden_states: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        image_rotary_emb: tuple[Tensor, Tensor] | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        if self._parallel_config is None:
+            return super().__call__(
+                attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
+            )
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        def heads(x: Tensor) -> Tensor:
+            return x.unflatten(2, (attn.heads, -1))
+
+        query = attn.norm_q(heads(attn.to_q(hidden_states)))
+        key = attn.norm_k(heads(attn.to_k(hidden_states)))
+        value = heads(attn.to_v(hidden_states))
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        text = encoder_hidden_states.shape[1]
+        query = torch.cat([query, attn.norm_added_q(heads(attn.add_q_proj(encoder_hidden_states)))], dim=1)
+        key = torch.cat([key, attn.norm_added_k(heads(attn.add_k_proj(encoder_hidden_states)))], dim=1)
+        value = torch.cat([value, heads(attn.add_v_proj(encoder_hidden_states))], dim=1)
+        keys = F.pad(attention_mask.bool(), (query.shape[1] - attention_mask.shape[1], 0), value=True)
+        out = dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=keys[:, None, None, :],  # (B, 1, 1, S): every query, the valid keys
+            dropout_p=0.0,
+            is_causal=False,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        out = out.flatten(2, 3).to(query.dtype)
+        video, text_out = out[:, :-text], out[:, -text:]
+        return attn.to_out[1](attn.to_out[0](video)), attn.to_add_out(text_out)
 
 
 class HunyuanVideo15Policy(FlowPolicy):
@@ -68,7 +151,7 @@ class HunyuanVideo15Policy(FlowPolicy):
     Args:
         pretrained: Hub id or local folder of a ``HunyuanVideo15Pipeline``.
         dtype: the transformer's and the text encoders' dtype; the step math stays fp32.
-        vae_dtype: the VAE's dtype (the model card loads the whole pipeline in one dtype).
+        vae_dtype: the VAE's dtype; ``None``: ``dtype`` (the model card loads the whole pipeline in one dtype).
         max_sequence_length: Qwen2.5-VL states per prompt after the chat template (the pipeline's 1000);
             fewer keep a shorter padded text, which the transformer masks.
         negative_prompt: the unconditional prompt of classifier-free guidance.
@@ -77,9 +160,6 @@ class HunyuanVideo15Policy(FlowPolicy):
 
     modality = "video"
     pipeline_name = "HunyuanVideo15Pipeline"
-    #: The joint attention's image and text projections in every block (and the text refiner's, whose
-    #: names they share), as LoRA on MMDiT families (SD3, FLUX) targets them.
-    default_lora_targets: tuple[str, ...] = MMDIT_ATTENTION_PROJECTIONS
     default_lora_rank: int = 32
     default_lora_alpha: int = 64
     #: The text is padded and the padding masked in the joint attention (the kernel is chosen for it).
@@ -92,7 +172,7 @@ class HunyuanVideo15Policy(FlowPolicy):
         self,
         pretrained: str,
         dtype: DType = "bfloat16",
-        vae_dtype: DType = "bfloat16",
+        vae_dtype: DType | None = None,
         max_sequence_length: int = MAX_PROMPT_TOKENS,
         negative_prompt: str = "",
         prompt_cache_size: int = 1024,
@@ -100,7 +180,7 @@ class HunyuanVideo15Policy(FlowPolicy):
         super().__init__()
         self.pretrained = pretrained
         self.dtype_name = dtype
-        self.vae_dtype_name = vae_dtype
+        self.vae_dtype_name = dtype if vae_dtype is None else vae_dtype
         self.max_sequence_length = max_sequence_length
         self.negative_prompt = negative_prompt
         self.prompt_cache_size = prompt_cache_size
@@ -139,18 +219,46 @@ class HunyuanVideo15Policy(FlowPolicy):
     def sequence_parallel_problems(
         self, sp: int, height: int, width: int, frames: int, flag: str
     ) -> list[str]:
-        import diffusers
+        """What Ulysses attention asks: sp divides the attention heads (each rank attends with heads/sp)
+        and the video tokens per sample (split in equal parts; the text is padded to fit). Read from a
+        local folder's ``transformer/config.json`` before loading, or from the loaded transformer; a hub
+        id is checked once loaded."""
+        config = self._transformer_config()
+        if config is None:
+            return []
+        out = []
+        heads = int(config["num_attention_heads"])
+        if heads % sp:
+            out.append(
+                f"{flag} ({sp}) must divide the {heads} attention heads of the transformer (Ulysses attention "
+                f"gives each rank heads/sp of them): use a divisor of {heads}"
+            )
+        patch, patch_t = int(config.get("patch_size", 1)), int(config.get("patch_size_t", 1))
+        spatial = self.pipe.vae_scale_factor_spatial if self.pipe is not None else SPATIAL_FACTOR
+        latent_frames = (frames - 1) // TEMPORAL_FACTOR + 1
+        grid = (latent_frames // patch_t, height // spatial // patch, width // spatial // patch)
+        tokens = grid[0] * grid[1] * grid[2]
+        if tokens % sp:
+            out.append(
+                f"{flag} ({sp}) must divide the {tokens} video tokens per sample ({' × '.join(map(str, grid))} "
+                f"patches at {FRAMES_FLAG}={frames}, {HEIGHT_FLAG}={height}, {WIDTH_FLAG}={width}), which "
+                "diffusers splits in equal parts: change the size or the setting"
+            )
+        return out
 
-        plan = getattr(diffusers.HunyuanVideo15Transformer3DModel, "_cp_plan", None)
-        why = (
-            f"has no context-parallel plan (_cp_plan) in diffusers {diffusers.__version__}"
-            if plan is None
-            else "has a context-parallel plan that this package has not checked against one process"
-        )
-        return [
-            f"{flag} ({sp}): HunyuanVideo15Transformer3DModel {why}, so {type(self).__name__} cannot split its "
-            f"tokens over ranks: set {flag}=1 (data parallelism still applies)"
-        ]
+    def _transformer_config(self) -> dict[str, Any] | None:
+        """The transformer's config: the loaded one's, else a local folder's; ``None`` for a hub id
+        before loading."""
+        import json
+        import os
+
+        if self.pipe is not None:
+            return dict(self.transformer.config)
+        try:
+            with open(os.path.join(self.pretrained, "transformer", "config.json"), encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
 
     # -- loading ------------------------------------------------------------------------------------
 
@@ -173,12 +281,39 @@ class HunyuanVideo15Policy(FlowPolicy):
         for part in (pipe.text_encoder, pipe.text_encoder_2, pipe.vae, pipe.transformer):
             part.requires_grad_(False)
             part.eval()
+        self.enable_context_parallel(pipe.transformer)
         # Registered as submodules so that Lightning moves them and the strategies see them.
         self._transformer = pipe.transformer
         self.vae = pipe.vae
         self.text_encoder = pipe.text_encoder
         self.text_encoder_2 = pipe.text_encoder_2
         self.pipe = pipe
+
+    @property
+    def default_lora_targets(self) -> tuple[str, ...]:  # type: ignore[override]
+        """The joint attention's image and text projections of every block, and the text refiner's (whose
+        names they share), as LoRA on MMDiT families (SD3, FLUX) targets them; once loaded, by full name,
+        without the last block's text queries and text output projection: the transformer drops the text
+        stream after its last block, so those two get no gradient (and DDP refuses parameters that get
+        none)."""
+        if self.pipe is None:
+            return MMDIT_ATTENTION_PROJECTIONS
+        last = f"transformer_blocks.{len(self.transformer.transformer_blocks) - 1}.attn."
+        dead = (last + "add_q_proj", last + "to_add_out")
+        return tuple(
+            name
+            for name, _ in self.transformer.named_modules()
+            if name.endswith(MMDIT_ATTENTION_PROJECTIONS) and name not in dead
+        )
+
+    @staticmethod
+    def enable_context_parallel(transformer: nn.Module) -> None:
+        """Give ``transformer`` its context-parallel plan and processors (inert until
+        :func:`~lit_flowgrpo.sequence_parallel.attach_sequence_parallel` gives the processors a parallel
+        config: without one they are diffusers' processor)."""
+        transformer._cp_plan = _context_parallel_plan(len(transformer.transformer_blocks))
+        for block in transformer.transformer_blocks:
+            block.attn.set_processor(UlyssesJointAttnProcessor())
 
     @property
     def transformer(self) -> nn.Module:
@@ -250,6 +385,9 @@ class HunyuanVideo15Policy(FlowPolicy):
         # pipeline's prepare_cond_latents_and_mask and image_embeds).
         hidden = torch.cat([x, torch.zeros_like(x), torch.zeros_like(x[:, :1])], dim=1)
         config = network.config
+        split = getattr(network, "_parallel_config", None)  # set by attach_sequence_parallel
+        if split is not None:
+            cond = self._padded_for(split.context_parallel_config.ulysses_degree, cond)
         image_embeds = torch.zeros(
             rows, self.pipe.vision_num_semantic_tokens, config.image_embed_dim, dtype=dtype, device=x.device
         )
@@ -267,6 +405,23 @@ class HunyuanVideo15Policy(FlowPolicy):
             return out
         cond_out, uncond = out.chunk(2)
         return uncond + guidance_scale * (cond_out - uncond)
+
+    def _padded_for(self, sp: int, cond: Embeds) -> Embeds:
+        """The Qwen2.5-VL rows padded with masked zero rows, so that the joint text (image rows, glyph
+        rows, prompt rows) splits in ``sp`` equal parts. Masked rows change no valid token's output: the
+        refiner pools and attends over the valid rows, the blocks attend to valid keys only."""
+        text = (
+            self.pipe.vision_num_semantic_tokens
+            + cond["prompt_embeds_2"].shape[1]
+            + cond["prompt_embeds"].shape[1]
+        )
+        pad = -text % sp
+        if not pad:
+            return cond
+        out = dict(cond)
+        out["prompt_embeds"] = F.pad(cond["prompt_embeds"], (0, 0, 0, pad))
+        out["prompt_embeds_mask"] = F.pad(cond["prompt_embeds_mask"], (0, pad))
+        return out
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
