@@ -10,7 +10,9 @@ with :mod:`benchmarks.shapes_runs`' runner and report.
 2. runs the four recipes (``configs/quickstart_{sft,dpo,dpo_online,flowgrpo}.yaml``), every seed, at once;
 3. turns each SFT run's last checkpoint into a toy checkpoint (``lit_flowgrpo.toy.from_fit``) and runs
    Flow-GRPO from it (label ``sft_then_grpo``, the same seed), its curve starting where SFT's ended;
-4. ``shapes_runs.py report`` over all of them.
+4. ``shapes_runs.py report`` over all of them;
+
+and ``python benchmarks/shapes_data_runs.py plot REPORT.json OUT.png SFT_STEPS`` draws the curves.
 
 A step is one optimizer step: a rollout of 64 samples for the RL objectives and online DPO, a batch of
 32 records for SFT and offline DPO. The runs share the machine, so their wall times (printed as they end)
@@ -72,7 +74,37 @@ def _launch(jobs: list[tuple[Path, list[str]]], parallel: int, threads: int) -> 
         time.sleep(1.0)
 
 
+def plot(report: Path, out: Path, sft_steps: int) -> None:
+    """Held-out strict accuracy against optimizer steps, one line per label (the seeds' mean, their range
+    shaded), from ``shapes_runs.py report``'s JSON; ``sft_then_grpo`` starts where SFT ended."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = json.loads(report.read_text())["labels"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for label, entry in labels.items():
+        steps = sorted(entry["held_out"], key=int)
+        x = [int(k) + (sft_steps if label == "sft_then_grpo" else 0) for k in steps]
+        values = [entry["held_out"][k] for k in steps]
+        mean = [sum(v) / len(v) for v in values]
+        (line,) = ax.plot(x, mean, marker="o", label=label)
+        ax.fill_between(
+            x, [min(v) for v in values], [max(v) for v in values], alpha=0.15, color=line.get_color()
+        )
+    ax.set_xlabel("optimizer steps (a rollout, or a batch of records)")
+    ax.set_ylabel("held-out strict accuracy")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["plot"]:  # plot REPORT_JSON OUT_PNG SFT_STEPS
+        plot(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))
+        return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument(
