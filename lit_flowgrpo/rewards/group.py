@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 from lit_flowgrpo.distributed import DataParallel
+from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.rewards.base import Scored, checked_output, note, scores_groups
 from lit_flowgrpo.rewards.images import ImageFormat, data_url, to_pil, to_uint8
 from lit_flowgrpo.rewards.registry import build_reward, qualname, register_reward
@@ -254,7 +255,7 @@ class RankReward:
         self, reward: str = "pickscore", config: dict[str, Any] | None = None, component: str | None = None
     ) -> None:
         if reward in ("group_rank", "pairwise_win_rate"):
-            raise ValueError(f"{_FLAG}.group_rank.reward ({reward!r}) must be a per-sample reward")
+            raise SettingsError(f"{_FLAG}.group_rank.reward ({reward!r}) must be a per-sample reward")
         self.base = build_reward(reward, **dict(config or {}))
         self.name = reward
         self.component = component if component is not None else getattr(self.base, "primary", None)
@@ -355,7 +356,9 @@ class PairwiseWinRate:
         self, judge: str = "vlm", judge_config: dict[str, Any] | None = None, both_orders: bool = False
     ) -> None:
         if judge not in JUDGES:
-            raise ValueError(f"{_FLAG}.pairwise_win_rate.judge ({judge!r}) must be one of {sorted(JUDGES)}")
+            raise SettingsError(
+                f"{_FLAG}.pairwise_win_rate.judge ({judge!r}) must be one of {sorted(JUDGES)}"
+            )
         self.judge = JUDGES[judge](**dict(judge_config or {}))
         self.both_orders = both_orders
 
@@ -495,7 +498,7 @@ class VLMPairwiseJudge:
         if resize is not None and resize < 1:
             problems.append(f"{flag}.resize ({resize}) must be positive or null")
         if problems:
-            raise ValueError("; ".join(problems))
+            raise SettingsError("; ".join(problems))
         self.patterns = patterns
         self.model, self.template = model, template
         self.image_format, self.resize = image_format, resize

@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.policies.base import DType, resolve_dtype
 
 
 def check_dtype(dtype: str, flag: str) -> None:
     if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"{flag}.dtype ({dtype!r}) must be 'float32', 'bfloat16' or 'float16'")
+        raise SettingsError(f"{flag}.dtype ({dtype!r}) must be 'float32', 'bfloat16' or 'float16'")
 
 
 def as_features(output: Tensor | object) -> Tensor:

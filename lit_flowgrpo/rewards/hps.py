@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.policies.base import DType
 from lit_flowgrpo.rewards.hf import as_features, check_dtype, place
 from lit_flowgrpo.rewards.images import check_images
@@ -175,7 +176,8 @@ def load_clip(checkpoint: str, clip: str) -> nn.Module:
     dict (file or hub file) renamed and loaded with ``from_pretrained`` on ``clip``'s configuration.
 
     Raises:
-        ValueError: the state dict leaves a weight of the model unset, or holds one it has no place for.
+        SettingsError: naming the setting, when the state dict leaves a weight of the model unset, or
+            holds one it has no place for.
     """
     from transformers import CLIPConfig, CLIPModel
 
@@ -187,7 +189,7 @@ def load_clip(checkpoint: str, clip: str) -> nn.Module:
     )
     missing = [k for k in info["missing_keys"] if not k.endswith("position_ids")]
     if missing or info["unexpected_keys"]:
-        raise ValueError(
+        raise SettingsError(
             f"{_FLAG}.checkpoint ({checkpoint!r}) does not match {clip!r}'s CLIP configuration: "
             f"missing {missing[:3]}, unexpected {list(info['unexpected_keys'])[:3]}"
         )
@@ -209,7 +211,7 @@ class HPSv2Reward:
             cosine is taken in float32 whatever this is).
 
     Raises:
-        ValueError: naming the setting, for a checkpoint that is no file, folder or hub file, or an
+        SettingsError: naming the setting, for a checkpoint that is no file, folder or hub file, or an
             unknown dtype; before any weight is read.
     """
 
@@ -223,7 +225,7 @@ class HPSv2Reward:
         check_dtype(dtype, _FLAG)
         problem = _checkpoint_problem(checkpoint)
         if problem:
-            raise ValueError(problem)
+            raise SettingsError(problem)
         self.checkpoint = checkpoint
         self.clip = clip
         self.device = device
@@ -362,7 +364,7 @@ class HPSv3Reward:
             HPSv3's own by default (changing it changes what the scores mean).
 
     Raises:
-        ValueError: naming the setting, for a checkpoint that is no file or hub file, an unknown dtype,
+        SettingsError: naming the setting, for a checkpoint that is no file or hub file, an unknown dtype,
             fewer than 4·28·28 pixels, or an instruction without ``{text_prompt}`` or the reward token.
     """
 
@@ -392,7 +394,7 @@ class HPSv3Reward:
             )
         problems = [p for p in problems if p]
         if problems:
-            raise ValueError("; ".join(problems))
+            raise SettingsError("; ".join(problems))
         self.checkpoint = checkpoint
         self.base = base
         self.device = device

@@ -31,6 +31,7 @@ import torch
 from PIL import Image
 from torch import Tensor, nn
 
+from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.policies.base import DType
 from lit_flowgrpo.rewards.aesthetic import AestheticMLP
 from lit_flowgrpo.rewards.hf import check_dtype, place
@@ -139,7 +140,7 @@ def _from_pretrained(cls: Any, config: Any, state: dict[str, Tensor], part: str,
     )
     missing = [k for k in info["missing_keys"] if not k.endswith("position_ids")]
     if missing or info["unexpected_keys"]:
-        raise ValueError(
+        raise SettingsError(
             f"{_FLAG}.checkpoint: the {part} does not match its configuration: missing {missing[:3]}, "
             f"unexpected {list(info['unexpected_keys'])[:3]}"
         )
@@ -175,7 +176,7 @@ class ImageRewardReward:
         dtype: the encoders' weights dtype (released in float32); the MLP runs in float32 either way.
 
     Raises:
-        ValueError: naming the setting, for a file that does not exist or an unknown dtype; before any
+        SettingsError: naming the setting, for a file that does not exist or an unknown dtype; before any
             weight is read.
     """
 
@@ -195,7 +196,7 @@ class ImageRewardReward:
             if p
         ]
         if problems:
-            raise ValueError("; ".join(problems))
+            raise SettingsError("; ".join(problems))
         self.checkpoint = checkpoint
         self.med_config = med_config
         self.tokenizer_name = tokenizer

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lit_flowgrpo.errors import SettingsError
+
 __all__ = [
     "IMAGE_PAD",
     "backbone_key",
@@ -118,7 +120,7 @@ def load_backbone(base: str, state: dict[str, Tensor], vocab_size: int, flag: st
     """``Qwen2VLModel`` with ``base``'s configuration (vocabulary of ``vocab_size``) and ``state``'s weights.
 
     Raises:
-        ValueError: naming ``flag``, when ``state`` leaves a weight unset or holds one of no place.
+        SettingsError: naming ``flag``, when ``state`` leaves a weight unset or holds one of no place.
     """
     from transformers import AutoConfig, Qwen2VLModel
 
@@ -131,7 +133,7 @@ def load_backbone(base: str, state: dict[str, Tensor], vocab_size: int, flag: st
         None, config=config, state_dict=state, output_loading_info=True
     )
     if info["missing_keys"] or info["unexpected_keys"]:
-        raise ValueError(
+        raise SettingsError(
             f"{flag} does not match {base!r}'s configuration: missing {list(info['missing_keys'])[:3]}, "
             f"unexpected {list(info['unexpected_keys'])[:3]}"
         )

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.rewards.images import ImageFormat, encode, to_base64, to_pil
 from lit_flowgrpo.rewards.registry import register_reward
 from lit_flowgrpo.rewards.remote import RemoteEndpoint, decode_json
@@ -75,7 +76,7 @@ class ServedReward:
         if image_format not in ("png", "jpeg"):
             problems.append(f"{_FLAG}.image_format ({image_format!r}) must be 'png' or 'jpeg'")
         if problems:
-            raise ValueError("; ".join(problems))
+            raise SettingsError("; ".join(problems))
         self.components = components
         self.primary = primary or components[0]
         self.core_components = tuple(core_components)

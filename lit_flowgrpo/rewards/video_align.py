@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.policies.base import DType
 from lit_flowgrpo.rewards.hf import check_dtype, place
 from lit_flowgrpo.rewards.images import check_videos
@@ -180,7 +181,7 @@ def _checkpoint_dir(root: Path) -> Path:
         key=lambda p: int(p.name.split("-")[-1]),
     )
     if not steps:
-        raise ValueError(f"{_FLAG}.checkpoint ({str(root)!r}) holds no checkpoint-<step> folder")
+        raise SettingsError(f"{_FLAG}.checkpoint ({str(root)!r}) holds no checkpoint-<step> folder")
     return steps[-1]
 
 
@@ -208,7 +209,7 @@ class VideoAlignReward:
         dtype: the backbone's weights dtype (trained in bfloat16).
 
     Raises:
-        ValueError: naming the setting, for a checkpoint that is neither a folder nor a hub id, a frame
+        SettingsError: naming the setting, for a checkpoint that is neither a folder nor a hub id, a frame
             rate not above 0, or an unknown dtype; before any weight is read.
     """
 
@@ -238,7 +239,7 @@ class VideoAlignReward:
         if max_frame_pixels is not None and max_frame_pixels < 4 * 28 * 28:
             problems.append(f"{_FLAG}.max_frame_pixels ({max_frame_pixels}) must be at least 4·28·28 = 3136")
         if problems:
-            raise ValueError("; ".join(problems))
+            raise SettingsError("; ".join(problems))
         self.checkpoint = checkpoint
         self.base = base
         self.source_fps = source_fps
@@ -274,7 +275,7 @@ class VideoAlignReward:
             model_config.get("reward_token") != "special"
             or data.get("prompt_template_type") != "detailed_special"
         ):
-            raise ValueError(
+            raise SettingsError(
                 f"{_FLAG}.checkpoint: model_config.json asks for reward_token {model_config.get('reward_token')!r} and "
                 f"template {data.get('prompt_template_type')!r}; this reward reads the special tokens of the "
                 "'detailed_special' template (VideoReward's)"
@@ -319,7 +320,7 @@ class VideoAlignReward:
             lora = {_plain(k): v for k, v in adapter.items()}
         missing = set(weights) - set(backbone.state_dict())
         if missing:
-            raise ValueError(
+            raise SettingsError(
                 f"{_FLAG}.checkpoint: weights of no place in {self.base!r}: {sorted(missing)[:3]}"
             )
         backbone.load_state_dict(weights, strict=not lora)  # the whole model, or what was trained beside LoRA
@@ -343,7 +344,9 @@ class VideoAlignReward:
             module = key.removesuffix(".lora_A.weight")
             target = backbone_key(f"{module}.weight")
             if target not in params:
-                raise ValueError(f"{_FLAG}.checkpoint: the LoRA pair {module!r} has no weight to merge into")
+                raise SettingsError(
+                    f"{_FLAG}.checkpoint: the LoRA pair {module!r} has no weight to merge into"
+                )
             b = lora[f"{module}.lora_B.weight"]
             weight = params[target]
             with torch.no_grad():
