@@ -359,11 +359,14 @@ class VideoAlignReward:
         v = self.vision
         index = sample_frames(videos.shape[1], self.source_fps, self.fps)
         h, w = smart_resize(videos.shape[3], videos.shape[4], VIDEO_MIN_PIXELS, self.max_frame_pixels)
-        # As VideoAlign: 8-bit frames (it reads video files), bicubic antialiased resize on the tensor
-        # (torchvision's resize), then the processor's rescale by 1/255 and normalisation.
+        # As VideoAlign (vision_process.py, fetch_video): 8-bit frames (it reads video files), resized by
+        # torchvision's bicubic antialiased resize on the uint8 tensor, whose output is uint8 again (the
+        # float result clamped to [0, 255] and rounded), then the processor's rescale by 1/255 and
+        # normalisation. Without the second rounding the bicubic overshoot would reach the network.
         frames = (videos[:, index].float() * 255).round().clamp(0, 255).flatten(0, 1)  # (B·n, 3, H, W)
         if (h, w) != tuple(frames.shape[-2:]):
             frames = F.interpolate(frames, size=(h, w), mode="bicubic", align_corners=False, antialias=True)
+            frames = frames.clamp(0, 255).round()  # (B·n, 3, h, w) fp32, 8-bit values
         mean = torch.tensor(v["mean"], device=frames.device).view(1, 3, 1, 1)
         std = torch.tensor(v["std"], device=frames.device).view(1, 3, 1, 1)
         frames = ((frames / 255 - mean) / std).unflatten(0, (videos.shape[0], len(index)))

@@ -107,6 +107,13 @@ def test_video_align_heads_and_normalisation(tiny_release) -> None:
     batch = reward._encode(videos, PROMPTS)
     # 4 of 9 frames (2 fps of 4); 40 x 48 px grown to the least 128·28·28 pixels: 308 x 364, 22 x 26 patches
     assert batch["video_grid_thw"].tolist() == [[2, 22, 26]] * 2
+    # The resized frames are 8-bit again, as torchvision's resize of VideoAlign's uint8 frames returns
+    # them: undoing the normalisation gives integers in [0, 255] (fp32 (x − m)/s and back: a few ulps of 255).
+    mean = torch.tensor(reward.vision["mean"]).view(1, 3, 1)
+    std = torch.tensor(reward.vision["std"]).view(1, 3, 1)
+    pixels = (batch["pixel_values_videos"].view(-1, 3, 2 * 14 * 14) * std + mean) * 255
+    assert pixels.min() > -1e-3 and pixels.max() < 255 + 1e-3
+    assert (pixels - pixels.round()).abs().max() < 255 * 8 * torch.finfo(torch.float32).eps
     ids = tokenizer.convert_tokens_to_ids(list(VIDEO_REWARD_TOKENS))
     want = {q: [] for q in ("VQ", "MQ", "TA")}
     length = batch["attention_mask"].sum(-1)
