@@ -14,7 +14,8 @@ The protocol (JSON both ways, nothing executable: no pickle)::
                    "prompts": [str, ...], "metadata": [{...}, ...]}                   (one entry a sample)
       200         {"components": {"<component>": [float|null, ...], ...}}   ("score" for a one-valued reward)
       400         {"error": "..."}  the request is malformed (not JSON, a missing key, lengths that
-                                     differ, an image that does not decode)
+                                     differ, an image that does not decode, or whose pixels would
+                                     take more than DECODED_PER_BYTE x max_request_mb once decoded)
       408         the request's body did not arrive within ``read_timeout_s``
       413         the request is larger than ``max_request_mb``
       500         the reward raised on this request's samples (its message)
@@ -66,6 +67,10 @@ __all__ = ["ServerSettings", "main", "parse", "parse_request", "running", "serve
 
 #: The component name of a reward that returns one Tensor.
 SCORE = "score"
+#: A request's images may decode to at most this many bytes (uint8 RGB) per byte of ``max_request_mb``:
+#: a PNG a few pixels wide can declare 10⁹ of them, and the body limit alone would not stop it from
+#: filling the server's memory. Generated images compress 2-10x (PNG, JPEG at quality 95); 16 leaves room.
+DECODED_PER_BYTE = 16
 #: Where the shipped server configs live (``--config NAME`` finds ``NAME.yaml`` there).
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "reward_server"
 
@@ -132,8 +137,11 @@ class Request:
         return len(self.prompts)
 
 
-def parse_request(raw: bytes) -> Request:
+def parse_request(raw: bytes, max_decoded_bytes: int | None = None) -> Request:
     """A request body, decoded; ``ValueError`` naming what is wrong with it (the server answers 400).
+
+    ``max_decoded_bytes`` bounds the images' decoded size (uint8 RGB, all of them), read from their
+    headers before any pixel is decoded; ``None`` leaves only PIL's own bound on one image.
 
     >>> parse_request(b'{"images": []}')
     Traceback (most recent call last):
@@ -166,12 +174,24 @@ def parse_request(raw: bytes) -> Request:
         )
     if body.get("image_format", "png") not in ("png", "jpeg"):
         raise ValueError(f"'image_format' ({body.get('image_format')!r}) must be 'png' or 'jpeg'")
-    arrays = []
+    arrays, decoded = [], 0
     for i, encoded in enumerate(images):
         try:
             with Image.open(io.BytesIO(base64.b64decode(encoded, validate=True))) as image:
+                decoded += 3 * image.width * image.height  # from the header: nothing decoded yet
+                if max_decoded_bytes is not None and decoded > max_decoded_bytes:
+                    raise ValueError(
+                        f"the images would take more than {max_decoded_bytes / 2**20:.3g} MiB once decoded "
+                        f"(image {i} is {image.width} x {image.height}): send smaller images or fewer a request"
+                    )
                 arrays.append(np.asarray(image.convert("RGB")))
-        except (TypeError, binascii.Error, UnidentifiedImageError, OSError) as err:
+        except (
+            TypeError,
+            binascii.Error,
+            UnidentifiedImageError,
+            OSError,
+            Image.DecompressionBombError,
+        ) as err:
             raise ValueError(f"image {i} is not a base64-encoded PNG or JPEG ({err})") from err
     if len({a.shape for a in arrays}) > 1:
         raise ValueError(
@@ -279,7 +299,8 @@ class RewardServer:
                 "images a request (the client's batch_size), or raise the server's --max_request_mb",
             )
         try:  # decoding images takes a while: on another thread, so the loop keeps reading others
-            parsed = await asyncio.get_running_loop().run_in_executor(None, parse_request, raw)
+            limit = int(DECODED_PER_BYTE * self.settings.max_request_mb * 2**20)
+            parsed = await asyncio.get_running_loop().run_in_executor(None, parse_request, raw, limit)
         except ValueError as err:
             self.stats["rejected"] += 1
             return _error(web, 400, str(err))

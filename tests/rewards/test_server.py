@@ -135,6 +135,27 @@ def test_a_request_over_the_size_limit_is_refused_with_413() -> None:
         assert status == 413 and "max_request_mb" in reply["error"]
 
 
+def test_an_image_that_decodes_too_large_is_refused_before_decoding() -> None:
+    """A small body can declare many pixels (a constant PNG compresses about 1000x): the server reads the
+    size from the header and refuses the request before decoding it."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("L", (512, 512)).save(buffer, format="PNG")  # 512² x 3 bytes = 768 KiB decoded
+    body = json.dumps({"images": [base64.b64encode(buffer.getvalue()).decode()], "prompts": ["a"]})
+    assert len(body) < 10 * 2**10
+    Recorder.calls = []
+    # 10 KiB a request: 16 x 10 KiB = 160 KiB decoded at most
+    settings = ServerSettings(reward="recorder_for_server_tests", port=0, max_request_mb=10 / 2**10)
+    with running(settings) as (url, _):
+        status, reply = _post(url, body.encode())
+    assert status == 400 and "MiB once decoded (image 0 is 512 x 512)" in reply["error"], reply
+    assert Recorder.calls == []
+
+
 def test_a_slow_client_delays_nobody_and_is_timed_out() -> None:
     Recorder.calls = []
     settings = ServerSettings(reward="recorder_for_server_tests", port=0, max_wait_s=0.0, read_timeout_s=0.5)
