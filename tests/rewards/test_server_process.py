@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import select
 import subprocess
 import sys
 import urllib.request
@@ -56,6 +57,8 @@ class KillAfter(L.Callback):
 
 @pytest.mark.slow
 def test_the_recipe_trains_against_a_served_reward_and_counts_the_loss_when_it_dies(tmp_path: Path) -> None:
+    # stderr to a file: a pipe nobody reads would block the server once 64 KiB of warnings filled it
+    errors = (tmp_path / "server.err").open("w")
     server = subprocess.Popen(
         [
             sys.executable,
@@ -68,13 +71,16 @@ def test_the_recipe_trains_against_a_served_reward_and_counts_the_loss_when_it_d
             "0",
         ],
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=errors,
         text=True,
     )
     try:
-        line = server.stdout.readline()  # printed once it listens
+        # The address is printed once it listens; a server that hangs on start fails the test, not CI.
+        # 300 s: it imports torch and the package, 10-20 s on a loaded 2-core machine.
+        assert select.select([server.stdout], [], [], 300)[0], "serve-reward printed nothing in 300 s"
+        line = server.stdout.readline()
         found = re.search(r"http://127\.0\.0\.1:\d+", line)
-        assert found, (line, server.stderr.read() if server.poll() is not None else "")
+        assert found, (line, (tmp_path / "server.err").read_text())
         url = found[0]
         cfg = yaml.safe_load(RECIPE.read_text())
         trainer, model, data = cfg["trainer"], cfg["model"]["init_args"], cfg["data"]["init_args"]
@@ -109,6 +115,8 @@ def test_the_recipe_trains_against_a_served_reward_and_counts_the_loss_when_it_d
         if server.poll() is None:
             server.kill()
             server.wait()
+        server.stdout.close()
+        errors.close()
     assert "failed 2 consecutive batches" in str(stopped.value)
     # Two rollouts scored by the server, in one batch each (8 samples), its values those of the
     # in-process verifier on the images it decoded.
