@@ -150,15 +150,17 @@ def encode_images(policy: FlowPolicy, images: Tensor) -> Tensor:
     return latents
 
 
-def images_batch(policy: FlowPolicy, batch: Any, device: torch.device) -> DataBatch:
+def images_batch(policy: FlowPolicy, batch: Any, device: torch.device, pairs: bool) -> DataBatch:
     """The :class:`DataBatch` of a data module's :class:`~lit_flowgrpo.image_data.ImageBatch`: its prompts
-    and images (a pair's rejected ones too) encoded by the policy, every row kept."""
+    and images (with ``pairs``, a pair's rejected ones too) encoded by the policy, every row kept."""
     if not isinstance(batch, ImageBatch) or batch.images is None:
         raise TypeError(
             "an objective that learns from images needs --data=lit_flowgrpo.image_data.ImageDataModule"
         )
     latents = encode_images(policy, batch.images.to(device))
-    rejected = None if batch.rejected is None else encode_images(policy, batch.rejected.to(device))
+    rejected = (
+        encode_images(policy, batch.rejected.to(device)) if pairs and batch.rejected is not None else None
+    )
     keep = torch.ones(len(batch), dtype=torch.bool, device=device)
     return DataBatch(
         latents, policy.encode_prompts(batch.prompts), batch.sample_ids.to(device), keep, rejected
@@ -287,12 +289,13 @@ def stage_timings(clock: StageClock, reference_s: float) -> dict[str, float]:
 
 
 def data_step(
-    policy: FlowPolicy, batch: Any, clock: StageClock, update: Callable, log_step: Callable, frames: int
+    policy: FlowPolicy, batch: Any, clock: StageClock, update: Callable, log_step: Callable, objective: Any
 ) -> StepOutput:
     """A training step on the data module's images (SFT, offline Diffusion-DPO): encode (the ``gen``
-    stage), then the module's ``update`` of the :class:`DataBatch` and its ``log_step`` without rewards."""
-    data = images_batch(policy, batch, clock.device)
+    stage), then the module's ``update`` of the :class:`DataBatch` and its ``log_step`` without rewards.
+    Images only (the families that learn from images), one frame each."""
+    data = images_batch(policy, batch, clock.device, pairs=objective.learns_from == "data_pairs")
     clock.begin("update_actor")
     done = update(data, batch.step, clock)
     log_step(rewards=False)
-    return data_step_output(batch, data, done, stage_timings(clock, done.reference_s), frames)
+    return data_step_output(batch, data, done, stage_timings(clock, done.reference_s), 1)

@@ -233,7 +233,7 @@ class FlowGRPOModule(L.LightningModule):
         clock = StageClock(self.device)
         clock.begin("gen")
         if self.objective.learns_from in ("data", "data_pairs"):  # SFT, offline DPO: images, no rollout
-            return data_step(self.policy, batch, clock, self._update, self._log_step, self.sampler.frames)
+            return data_step(self.policy, batch, clock, self._update, self._log_step, self.objective)
         embeds = self.policy.encode_prompts(batch.prompts)
         # Each chunk is scored as it is decoded (the reward's `overlap`): "reward" is the wait after it.
         with RewardQueue.for_batch(self.reward, batch, self.data_parallel) as scores:

@@ -282,6 +282,9 @@ def run_update(
 
     ctx = dataclasses.replace(ctx, reference_timer=reference_timer)
     visits = list(objective.visits(batch))
+    # A row of pairs (Diffusion-DPO's DataBatch) is two images, and each visit runs the reference on both.
+    pairs = isinstance(batch, DataBatch) and batch.rejected is not None
+    per_row = forwards_per_sample * (2 if pairs else 1)
     first = True
     for epoch in range(settings.num_inner_epochs):
         # A seed per (rollout, inner epoch) that draws nothing from ``generator``, so the shares
@@ -302,8 +305,8 @@ def run_update(
                 idx, live = settings.micro_batch(rows, m, len(batch), size)
                 for v in visits:
                     out = objective.visit(epoch_ctx, batch, idx, live, v)
-                    result.forwards["update"] += forwards_per_sample * len(idx)
-                    result.forwards["ref"] += forwards_per_sample * len(idx) if ctx.kl.runs_reference else 0
+                    result.forwards["update"] += per_row * len(idx)
+                    result.forwards["ref"] += per_row * len(idx) if ctx.kl.runs_reference or pairs else 0
                     if first:
                         _on_policy_check(out.on_policy_error, on_policy_tol, dp, hooks)
                         first = False
