@@ -51,7 +51,7 @@ from torch import Tensor
 
 from lit_flowgrpo.distributed import DataParallel
 from lit_flowgrpo.errors import SettingsError
-from lit_flowgrpo.rewards.base import Scored, checked_output, note, scores_groups
+from lit_flowgrpo.rewards.base import Scored, checked_output, note, scores_groups, thread_safe
 from lit_flowgrpo.rewards.images import ImageFormat, data_url, to_pil, to_uint8
 from lit_flowgrpo.rewards.registry import build_reward, qualname, register_reward
 from lit_flowgrpo.rewards.remote import RemoteEndpoint, decode_json
@@ -259,13 +259,21 @@ class RankReward:
         self.base = build_reward(reward, **dict(config or {}))
         self.name = reward
         self.component = component if component is not None else getattr(self.base, "primary", None)
+        # What the base declares holds for its scores here: prepare calls it, chunk by chunk beside the
+        # sampler unless the base must stay on the training loop's thread.
         self.modalities = getattr(self.base, "modalities", frozenset({"image"}))
         self.required_metadata = tuple(getattr(self.base, "required_metadata", ()))
+        self.thread_safe = thread_safe(self.base)
 
     def check(self) -> None:
         check = getattr(self.base, "check", None)
         if callable(check):
             check()
+
+    def problems(self, records: Sequence[dict]) -> list[str]:
+        """The base reward's findings on the prompt records (its ``problems`` hook), if it has one."""
+        hook = getattr(self.base, "problems", None)
+        return list(hook(records)) if callable(hook) else []
 
     def prepare(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
         """(B,) fp32: the base reward's score of each sample of this rank."""
@@ -417,6 +425,11 @@ class RewardJudge:
             self.base(both, prompts + prompts, metadata + metadata), 2 * n, f"reward {self.name!r}"
         )
         key = getattr(self.base, "primary", None) if None not in found else None
+        if key not in found:
+            raise ValueError(
+                f"reward {self.name!r} returned components {sorted(str(k) for k in found)} and declares no "
+                "primary one: a pairwise judge compares one score (give the reward a primary component)"
+            )
         s = found[key]
         a, b = s[:n], s[n:]
         share = (a > b).float() + 0.5 * (a == b).float()

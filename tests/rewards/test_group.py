@@ -119,6 +119,38 @@ def test_a_group_reward_that_raises_names_itself() -> None:
     assert any("while preparing its inputs" in n for n in getattr(info.value, "__notes__", []))
 
 
+@register_reward("main_thread_for_group_tests")
+class MainThreadOnly(Red):
+    """Red, but it must run on the training loop's thread, and it finds every third record bad."""
+
+    thread_safe = False
+
+    def problems(self, records: list[dict]) -> list[str]:
+        return [f"record {i} is bad" for i in range(0, len(records), 3)]
+
+
+def test_rank_reward_keeps_its_bases_thread_and_record_checks() -> None:
+    rank = RankReward(reward="main_thread_for_group_tests")
+    assert rank.thread_safe is False and RankReward(reward="red_for_group_tests").thread_safe is True
+    reward = MultiReward(
+        {"group_rank": 1.0}, config={"group_rank": {"reward": "main_thread_for_group_tests"}}
+    )
+    assert reward.problems([{}] * 4) == [
+        "reward 'group_rank': record 0 is bad",
+        "reward 'group_rank': record 3 is bad",
+    ]
+    # The queue leaves its prepare out of the worker: the base runs once, on this thread, with the batch.
+    Red.calls = []
+    with RewardQueue(reward, ["p"] * 8, [{}] * 8, group_ids=IDS) as queue:
+        assert queue.prepared == []
+        queue.submit(slice(0, 8), _batch())
+        out = queue.result(_batch())
+    assert Red.calls == [(threading.current_thread().name, 8)]
+    torch.testing.assert_close(
+        out.components["group_rank"], group_ranks(Red()(_batch(), [""] * 8, [{}] * 8), IDS)
+    )
+
+
 def test_rank_reward_refuses_a_component_its_base_lacks() -> None:
     rank = RankReward(reward="red_for_group_tests", component="blue")
     with pytest.raises(ValueError, match=r"group_rank\.component"):
