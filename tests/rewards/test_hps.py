@@ -15,6 +15,7 @@ from torch import nn
 
 from lit_flowgrpo.rewards import build_reward
 from lit_flowgrpo.rewards.hps import HPSv2Reward, resize_center_crop
+from lit_flowgrpo.rewards.image_reward import pil_resize_center_crop
 
 WIDTH, HEADS, LAYERS, EMBED, IMAGE, PATCH, CONTEXT = 32, 2, 2, 16, 32, 8, 77
 PROMPTS = ["a red cube", "two cats on a bench", "a blue sky at dusk", "hello"]
@@ -199,3 +200,19 @@ def test_resize_center_crop_geometry() -> None:
     out = resize_center_crop(flat, 16, (16, 16), [0.5, 0.5, 0.5], [0.25, 0.5, 1.0])
     want = torch.tensor([-1.0, -0.5, -0.25]).view(1, 3, 1, 1).expand(2, 3, 16, 16)
     torch.testing.assert_close(out, want, atol=4 * torch.finfo(torch.float32).eps, rtol=0)
+
+
+def test_resize_center_crop_is_pils_up_to_its_8_bit_rounding() -> None:
+    """HPSv2 resizes PIL images (OpenCLIP's transform); this resize runs on float tensors. Torch's
+    antialiased bicubic is PIL's kernel, so on 8-bit inputs they differ by PIL's rounding of its output
+    (half a step) and its fixed-point weights: within 1.5 steps a pixel and 0.5 on average. Torch's
+    plain bicubic (a = −0.75) is more than 1.5 steps away on the same upscale: the check tells them apart."""
+    generator = torch.Generator().manual_seed(0)
+    for height, width in ((512, 512), (480, 832), (200, 300)):  # down, down and cropped, up
+        smooth = F.avg_pool2d(torch.rand(2, 3, height, width, generator=generator), 9, 1, 4)  # as generated
+        images = (smooth * 255).round() / 255  # 8-bit, as the PIL path reads them
+        ours = resize_center_crop(images, 224, (224, 224), [0.0] * 3, [1.0] * 3)
+        pil = pil_resize_center_crop(images, 224)
+        assert (ours - pil).abs().max() * 255 < 1.5 and (ours - pil).abs().mean() * 255 < 0.5
+    plain = F.interpolate(images[:, :, :, 50:250], size=(224, 224), mode="bicubic", align_corners=False)
+    assert (plain - pil).abs().max() * 255 > 1.5  # the check above can tell kernels apart
