@@ -19,6 +19,7 @@ The protocol (JSON both ways, nothing executable: no pickle)::
       408         the request's body did not arrive within ``read_timeout_s``
       413         the request is larger than ``max_request_mb``
       500         the reward raised on this request's samples (its message)
+      503         the server's batcher stopped on an error (a bug): every request, until restarted
     GET /health   {"status": "ok", "reward": ..., "requests": n, "samples": n, "batches": n, ...}
 
 ``null`` is a sample the reward could not score (NaN): the client drops it, never scores it 0.
@@ -246,6 +247,10 @@ class RewardServer:
         # One worker thread: the reward is called from one thread at a time, as the trainer does.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-server")
         self._queue: asyncio.Queue[_Pending] | None = None
+        #: Every request's future from its arrival in the queue until it is answered.
+        self._waiting: set[asyncio.Future] = set()
+        #: Why the batcher stopped, when it stopped other than at shutdown (a bug): requests get a 503.
+        self.broken: str | None = None
 
     def app(self) -> Any:
         from aiohttp import web
@@ -260,11 +265,23 @@ class RewardServer:
     async def _start_batcher(self, app: Any) -> None:
         self._queue = asyncio.Queue()
         self._batcher = asyncio.get_running_loop().create_task(self._batches())
+        self._batcher.add_done_callback(self._batcher_stopped)
+
+    def _batcher_stopped(self, task: asyncio.Task) -> None:
+        """A batcher that raised would leave every queued request waiting for ever: fail them instead,
+        and every later one at once (503), with the error, until the server is restarted."""
+        if task.cancelled():
+            return
+        err = task.exception()
+        self.broken = f"the server's batcher stopped on {type(err).__name__}: {err}; restart the server"
+        for future in self._waiting:
+            if not future.done():
+                future.set_exception(RuntimeError(self.broken))
 
     async def _stop_batcher(self, app: Any) -> None:
         self._batcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._batcher
+        # cancelled here, or stopped earlier on an error that _batcher_stopped has reported already
+        await asyncio.gather(self._batcher, return_exceptions=True)
         self._worker.shutdown(wait=False, cancel_futures=True)
 
     async def health(self, request: Any) -> Any:
@@ -272,7 +289,8 @@ class RewardServer:
 
         return web.json_response(
             {
-                "status": "ok",
+                "status": "ok" if self.broken is None else "broken",
+                "error": self.broken,
                 "reward": self.name,
                 "max_batch_size": self.settings.max_batch_size,
                 "queued": self._queue.qsize() if self._queue is not None else 0,
@@ -304,12 +322,19 @@ class RewardServer:
         except ValueError as err:
             self.stats["rejected"] += 1
             return _error(web, 400, str(err))
+        if self.broken is not None:
+            return _error(web, 503, self.broken)
         pending = _Pending(parsed, asyncio.get_running_loop().create_future())
+        self._waiting.add(pending.future)
         await self._queue.put(pending)
         try:
             body = await pending.future
         except Exception as err:
+            if self.broken is not None:
+                return _error(web, 503, self.broken)
             return _error(web, 500, f"reward {self.name!r} raised {type(err).__name__}: {err}")
+        finally:
+            self._waiting.discard(pending.future)
         self.stats["requests"] += 1
         self.stats["samples"] += len(parsed)
         return web.json_response(body)

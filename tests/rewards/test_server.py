@@ -172,6 +172,22 @@ def test_a_slow_client_delays_nobody_and_is_timed_out() -> None:
         assert answer.startswith("HTTP/1.1 408"), answer[:80]
 
 
+def test_a_batcher_that_stops_fails_the_waiting_requests_and_later_ones() -> None:
+    """A bug that stops the batcher (here: the scoring step returns no reply for the batch) answers the
+    request it held with 503 and the error, not a hang; later requests get 503 at once, /health says so."""
+    Recorder.calls = []
+    settings = ServerSettings(reward="recorder_for_server_tests", port=0, max_wait_s=0.0)
+    with running(settings) as (url, server):
+        server._score = lambda requests: []  # zip(strict=True) in the batcher raises
+        body = json.dumps({"images": [_png(0.2)], "prompts": ["a"], "metadata": [{}]}).encode()
+        for _ in range(2):
+            status, reply = _post(url, body)
+            assert status == 503 and "batcher stopped on ValueError" in reply["error"], (status, reply)
+        health = _health(url)
+        assert health["status"] == "broken" and "restart the server" in health["error"]
+    assert Recorder.calls == []
+
+
 def test_a_request_the_reward_raises_on_fails_alone(served: str) -> None:
     out: dict[str, object] = {}
 
