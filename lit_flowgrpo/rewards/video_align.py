@@ -147,17 +147,25 @@ def smart_resize(
     return h, w
 
 
-def sample_frames(frames: int, source_fps: float, fps: float) -> list[int]:
+def sample_frames(frames: int, source_fps: float, fps: float, num_frames: int | None = None) -> list[int]:
     """The frames VideoAlign reads from a video of ``frames`` frames at ``source_fps``: ``frames /
-    source_fps · fps`` of them, at least 4 and at most all, rounded to an even count (vision_process.py
-    ``smart_nframes``), spread uniformly (``linspace(0, F − 1, n).round()``).
+    source_fps · fps`` of them, at least 4 and at most all, rounded to an even count, or, when the release
+    fixes ``num_frames``, that many rounded to an even count (vision_process.py ``smart_nframes``); never
+    more than the video has; spread uniformly (``linspace(0, F − 1, n).round()``, its ``uniform``
+    sample type).
 
     >>> sample_frames(33, 16.0, 2.0)
     [0, 11, 21, 32]
+    >>> sample_frames(9, 4.0, 2.0, num_frames=6)
+    [0, 2, 3, 5, 6, 8]
     """
-    min_frames, max_frames = 4, math.floor(min(768, frames) / 2) * 2
-    n = min(max(frames / source_fps * fps, min_frames), max_frames)
-    n = min(round(n / 2) * 2, frames)
+    if num_frames is not None:
+        n = round(num_frames / 2) * 2
+    else:
+        min_frames, max_frames = 4, math.floor(min(768, frames) / 2) * 2
+        n = min(max(frames / source_fps * fps, min_frames), max_frames)
+        n = round(n / 2) * 2
+    n = min(n, frames)
     if n < 2:
         raise ValueError(f"VideoAlign needs videos of at least 2 frames; got {frames}")
     return torch.linspace(0, frames - 1, n).round().long().tolist()
@@ -253,6 +261,7 @@ class VideoAlignReward:
         self.tokenizer: Any = None
         self.vision: dict[str, Any] = {}
         self.norm: dict[str, tuple[float, float]] = {}
+        self.num_frames: int | None = None
         self.token_ids: list[int] = []
 
     def load(self) -> None:
@@ -284,6 +293,13 @@ class VideoAlignReward:
         self.norm = {
             q: (inference.get(f"{q}_mean", 0.0), inference.get(f"{q}_std", 1.0)) for q in ("VQ", "MQ", "TA")
         }
+        if data.get("sample_type", "uniform") != "uniform":
+            raise SettingsError(
+                f"{_FLAG}.checkpoint: model_config.json samples frames by {data['sample_type']!r}; this reward "
+                "reads them as VideoAlign's 'uniform' sample type only"
+            )
+        # A release that fixes the frame count reads that many frames, whatever the fps (inference.py).
+        self.num_frames = data.get("num_frames")
         self.fps = self.fps if self.fps is not None else float(data.get("fps", 2.0))
         self.max_frame_pixels = self.max_frame_pixels or int(data.get("max_frame_pixels", 240 * 320))
         step = _checkpoint_dir(root)
@@ -315,6 +331,12 @@ class VideoAlignReward:
             adapter = load_file(step / "adapter_model.safetensors")
             with open(step / "adapter_config.json") as f:
                 lora_config = json.load(f)
+            unsupported = [k for k in ("use_dora", "rank_pattern", "alpha_pattern") if lora_config.get(k)]
+            if unsupported:
+                raise SettingsError(
+                    f"{_FLAG}.checkpoint: the adapter sets {unsupported}, which the merge W + (alpha / r)·B·A "
+                    "here does not model; merge it with PEFT (merge_and_unload) and save the whole state dict"
+                )
             r, alpha = lora_config["r"], lora_config["lora_alpha"]
             scale = alpha / math.sqrt(r) if lora_config.get("use_rslora") else alpha / r
             lora = {_plain(k): v for k, v in adapter.items()}
@@ -357,7 +379,10 @@ class VideoAlignReward:
         from lit_flowgrpo.rewards.qwen_vl import chat_text
 
         v = self.vision
-        index = sample_frames(videos.shape[1], self.source_fps, self.fps)
+        index = sample_frames(videos.shape[1], self.source_fps, self.fps, self.num_frames)
+        # An odd count (a video shorter than the count asked for): Qwen2-VL's processor repeats the last
+        # frame up to a whole temporal patch.
+        index += index[-1:] * (-len(index) % v["temporal"])
         h, w = smart_resize(videos.shape[3], videos.shape[4], VIDEO_MIN_PIXELS, self.max_frame_pixels)
         # As VideoAlign (vision_process.py, fetch_video): 8-bit frames (it reads video files), resized by
         # torchvision's bicubic antialiased resize on the uint8 tensor, whose output is uint8 again (the

@@ -167,3 +167,39 @@ def test_frame_sampling_and_settings() -> None:
         build_reward("video_align", checkpoint="org/repo", source_fps=0)
     with pytest.raises(ValueError, match=r"video_align\.checkpoint .* neither a folder nor a hub id"):
         build_reward("video_align", checkpoint="not/a/hub/id")
+
+
+def _release_with(tiny_release, tmp_path, data: dict | None = None, adapter: dict | None = None):
+    """A copy of the tiny release whose model_config.json's data_config / adapter_config.json differ."""
+    import shutil
+
+    root = tiny_release[0]
+    settings = json.loads((root / "release" / "model_config.json").read_text())
+    settings["data_config"].update(data or {})
+    shutil.copytree(root / "release" / "checkpoint-12", tmp_path / "checkpoint-12")
+    (tmp_path / "model_config.json").write_text(json.dumps(settings))
+    if adapter:
+        path = tmp_path / "checkpoint-12" / "adapter_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **adapter}))
+    return build_reward(
+        "video_align", checkpoint=str(tmp_path), base=str(root / "base"), source_fps=4.0, dtype="float32"
+    )
+
+
+def test_a_release_that_fixes_the_frame_count_reads_that_many(tiny_release, tmp_path) -> None:
+    reward = _release_with(tiny_release, tmp_path, data={"num_frames": 6})
+    reward.load()
+    videos = torch.rand(1, 9, 3, 40, 48, generator=torch.Generator().manual_seed(1))
+    assert reward._encode(videos, PROMPTS[:1])["video_grid_thw"].tolist() == [[3, 22, 26]]  # 6 frames, not 4
+    # A video shorter than that: its 3 frames, the last repeated to fill the temporal patch (Qwen2-VL's).
+    assert sample_frames(3, 4.0, 2.0, num_frames=6) == [0, 1, 2]
+    assert reward._encode(videos[:, :3], PROMPTS[:1])["video_grid_thw"].tolist() == [[2, 22, 26]]
+
+
+def test_release_settings_the_reward_cannot_reproduce_are_refused(tiny_release, tmp_path) -> None:
+    from lit_flowgrpo.errors import SettingsError
+
+    with pytest.raises(SettingsError, match=r"samples frames by 'multi_pts'"):
+        _release_with(tiny_release, tmp_path / "a", data={"sample_type": "multi_pts"}).load()
+    with pytest.raises(SettingsError, match=r"adapter sets \['use_dora'\]"):
+        _release_with(tiny_release, tmp_path / "b", adapter={"use_dora": True}).load()
