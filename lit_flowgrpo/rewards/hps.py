@@ -264,7 +264,8 @@ class HPSv2Reward:
             [0.48145466, 0.4578275, 0.40821073],
             [0.26862954, 0.26130258, 0.27577711],
         )
-        # As OpenCLIP's tokenizer: 77 tokens with start and end of text, truncated keeping the end.
+        # As OpenCLIP's tokenizer: at most 77 tokens, start and end of text included (a longer prompt is
+        # cut and still ends on end-of-text, where the text tower pools).
         text = self.tokenizer(
             list(prompts), padding=True, truncation=True, max_length=77, return_tensors="pt"
         )
@@ -353,6 +354,12 @@ class HPSv3Reward:
     The head gives (μ, log σ) at the ``<|Reward|>`` token; HPSv3 reports μ (hpsv3/inference.py: "we select
     miu as the final output") and trains σ = exp(second output) as the spread of a Gaussian score
     (qwen2vl_trainer.py, the ``uncertainty`` loss). The head runs in float32, as published.
+
+    Each image is resized by the base's image processor to ``pixels`` (``min_pixels = max_pixels``); HPSv3
+    resizes it first with PIL (qwen_vl_utils' ``fetch_image``) to the same size by the same
+    ``smart_resize``, so with transformers' PIL image processor the two agree; the torchvision-backed one,
+    which ``AutoImageProcessor`` picks where torchvision is installed, resizes with torch's antialiased
+    bicubic, within about one 8-bit step a pixel of PIL's (see :mod:`lit_flowgrpo.rewards.hps`).
 
     Args:
         checkpoint: HPSv3's state dict: a ``.safetensors`` or torch file, local or a hub file
