@@ -114,7 +114,7 @@ def beside_rollout(
             raise TypeError(
                 "an RL objective with SFT beside it needs --data=lit_flowgrpo.image_data.ImageDataModule"
             )
-        images = encode_images(policy, batch.images.to(rollout.advantages.device))
+        images = _encode_cached(policy, batch, "image", rollout.advantages.device)
         return RolloutWithImages(**{f.name: getattr(rollout, f.name) for f in fields(rollout)}, images=images)
     return rollout
 
@@ -157,14 +157,31 @@ def images_batch(policy: FlowPolicy, batch: Any, device: torch.device, pairs: bo
         raise TypeError(
             "an objective that learns from images needs --data=lit_flowgrpo.image_data.ImageDataModule"
         )
-    latents = encode_images(policy, batch.images.to(device))
+    latents = _encode_cached(policy, batch, "image", device)
     rejected = (
-        encode_images(policy, batch.rejected.to(device)) if pairs and batch.rejected is not None else None
+        _encode_cached(policy, batch, "rejected", device) if pairs and batch.rejected is not None else None
     )
     keep = torch.ones(len(batch), dtype=torch.bool, device=device)
     return DataBatch(
         latents, policy.encode_prompts(batch.prompts), batch.sample_ids.to(device), keep, rejected
     )
+
+
+def _encode_cached(policy: FlowPolicy, batch: ImageBatch, which: str, device: torch.device) -> Tensor:
+    """The latents of the batch's ``which`` images: encoded, or, under the data module's latent cache,
+    read from it where encoded before (the rest encoded in one call and kept)."""
+    images = batch.images if which == "image" else batch.rejected
+    assert images is not None
+    cache = batch.latent_cache
+    if cache is None or policy.vae is None or batch.record_ids is None:  # pixels cost nothing to "encode"
+        return encode_images(policy, images.to(device))
+    keys = [(int(r), which) for r in batch.record_ids.tolist()]
+    new = [i for i, k in enumerate(keys) if k not in cache.store]
+    if new:
+        fresh = encode_images(policy, images[new].to(device)).cpu()
+        for i, latent in zip(new, fresh, strict=True):
+            cache.store[keys[i]] = latent.clone()
+    return torch.stack([cache.store[k] for k in keys]).to(device)
 
 
 def data_step_output(

@@ -249,3 +249,30 @@ def test_rl_with_sft_beside_is_the_rl_loss_plus_the_weighted_sft_loss(tiny_sd3_p
     assert all(torch.allclose(zero[k], v, rtol=0, atol=16 * EPS32 * moved) for k, v in plain.items())
     # coef 1: the SFT term moves the weights elsewhere.
     assert not all(torch.allclose(beside[k], v, rtol=0, atol=1e-3 * moved) for k, v in plain.items())
+
+
+class _CountEncodes(L.Callback):
+    def __init__(self) -> None:
+        self.images = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        vae = pl_module.policy.vae
+        encode = vae.encode
+
+        def counted(x, *args, **kwargs):
+            self.images += len(x)
+            return encode(x, *args, **kwargs)
+
+        vae.encode = counted
+
+
+def test_the_latent_cache_encodes_each_image_once(tiny_sd3_path, tmp_path):
+    index = write_images(tmp_path / "data", 4, size=SIZE)
+    data = data_module(index, False, cache_latents=True)
+    counter = _CountEncodes()
+    module = learner(tiny_sd3_path, SFT())
+    trainer = make_trainer(tmp_path / "run", max_steps=3, logger=False, callbacks=[counter])
+    trainer.fit(module, datamodule=data)
+    # 3 steps of the 4 records: the first encodes each image, the next two read the cache.
+    assert counter.images == 4 and len(data.latent_cache) == 4
+    assert torch.isfinite(trainer.logged_metrics["actor/sft_loss"])
