@@ -6,14 +6,16 @@ miniature pipelines in code, `save_pretrained` them to a folder and load them th
 
     python -m lit_flowgrpo.tiny.sd3 .tiny_models/sd3
     python -m lit_flowgrpo.tiny.flux .tiny_models/flux
+    python -m lit_flowgrpo.tiny.flux2 .tiny_models/flux2        (FLUX.2 dev: .tiny_models/flux2_dev dev)
     python -m lit_flowgrpo.tiny.qwenimage .tiny_models/qwenimage
     python -m lit_flowgrpo.tiny.wan .tiny_models/wan            (a14b: .tiny_models/wan22_a14b a14b)
+    python -m lit_flowgrpo.tiny.zimage .tiny_models/zimage      (Z-Image base: .tiny_models/zimage_base base)
     python -m lit_flowgrpo.tiny.hunyuanvideo15 .tiny_models/hunyuanvideo15
 
 Each tiny model is its family's public config (:mod:`lit_flowgrpo.tiny.specs`, which the benchmarks
 build full-size models from) with small overrides, so that the two never restate a config.
 """
 
-from lit_flowgrpo.tiny.tokenizers import clip_tokenizer, t5_tokenizer
+from lit_flowgrpo.tiny.tokenizers import clip_tokenizer, qwen3_tokenizer, t5_tokenizer
 
-__all__ = ["clip_tokenizer", "t5_tokenizer"]
+__all__ = ["clip_tokenizer", "qwen3_tokenizer", "t5_tokenizer"]

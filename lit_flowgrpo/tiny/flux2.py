@@ -6,7 +6,7 @@
 Every component has the real FLUX.2 class: ``Flux2Transformer2DModel``, the ``AutoencoderKLFlux2`` with its
 batch-norm latent statistics, the dynamic-shift ``FlowMatchEulerDiscreteScheduler`` and, for klein, a
 ``Qwen3ForCausalLM`` text encoder with 28 layers (the pipeline stacks the hidden states of layers 9, 18
-and 27) and a byte-level ``Qwen2Tokenizer`` with a Qwen3-style chat template. So
+and 27) and the byte-level Qwen3 tokenizer of :func:`lit_flowgrpo.tiny.tokenizers.qwen3_tokenizer`. So
 :class:`~lit_flowgrpo.policies.flux2.Flux2KleinPolicy` loads it through the same ``from_pretrained`` path as
 ``black-forest-labs/FLUX.2-klein-base-4B``.
 
@@ -34,8 +34,8 @@ from diffusers import (
 )
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from lit_flowgrpo.tiny.qwenimage import qwen_tokenizer
 from lit_flowgrpo.tiny.specs import SPECS
+from lit_flowgrpo.tiny.tokenizers import qwen3_tokenizer
 
 KLEIN = SPECS["flux2_klein4b"]
 #: The text encoder's width; the transformer takes three of its layers stacked (3 × 16).
@@ -63,26 +63,6 @@ VAE = dict(
     norm_num_groups=4,
     sample_size=32,
 )
-
-#: A Qwen3 chat template with what the pipelines use: user turns, the generation prompt, and the empty
-#: thinking block that ``enable_thinking=False`` adds (FLUX.2 klein asks for it; Z-Image does not).
-QWEN3_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
-    "{% endif %}"
-)
-
-
-def qwen3_tokenizer() -> Qwen2Tokenizer:
-    """The byte-level BPE tokenizer of :mod:`lit_flowgrpo.tiny.qwenimage` with Qwen3's thinking markers
-    and :data:`QWEN3_CHAT_TEMPLATE`."""
-    tok = qwen_tokenizer()
-    tok.add_tokens(["<think>", "</think>"], special_tokens=True)
-    tok.chat_template = QWEN3_CHAT_TEMPLATE
-    return tok
 
 
 def qwen3_config(tokenizer: Qwen2Tokenizer, layers: int) -> Qwen3Config:

@@ -5,8 +5,9 @@
 
 Every component has the real Z-Image class: ``ZImageTransformer2DModel`` (single-stream, with its noise
 and caption refiners), FLUX.1's ``AutoencoderKL``, the ``FlowMatchEulerDiscreteScheduler`` with Z-Image's
-static shift, a ``Qwen3Model`` text encoder (the pipeline takes its second-to-last hidden state) and the
-byte-level tokenizer with the Qwen3 chat template of :mod:`lit_flowgrpo.tiny.flux2`. So
+static shift, a ``Qwen3Model`` text encoder (the pipeline takes its second-to-last hidden state; its
+config is the tiny klein's, :func:`lit_flowgrpo.tiny.flux2.qwen3_config`) and the byte-level Qwen3
+tokenizer of :func:`lit_flowgrpo.tiny.tokenizers.qwen3_tokenizer`. So
 :class:`~lit_flowgrpo.policies.zimage.ZImagePolicy` loads it through the same ``from_pretrained`` path
 as ``Tongyi-MAI/Z-Image-Turbo``.
 
@@ -22,8 +23,9 @@ import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 from transformers import Qwen3Model
 
-from lit_flowgrpo.tiny.flux2 import TEXT_HIDDEN, qwen3_config, qwen3_tokenizer
+from lit_flowgrpo.tiny.flux2 import TEXT_HIDDEN, qwen3_config
 from lit_flowgrpo.tiny.specs import SPECS
+from lit_flowgrpo.tiny.tokenizers import qwen3_tokenizer
 
 #: Z-Image-Turbo's transformer shrunk: one main and one refiner block each of 2 heads of 16, 4 channels in.
 TRANSFORMER = dict(
