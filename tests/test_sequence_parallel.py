@@ -100,7 +100,7 @@ def test_bad_settings_are_refused_before_any_weight_is_read(tiny_wan, tiny_sd3_p
     assert "must divide the 3 video tokens" in message
     assert "must divide the number of ranks (4" in problem(3)
     assert "--trainer.strategy=ddp or fsdp2" in problem(2, strategy=SingleDeviceStrategy())
-    assert "Wan's transformer only" in problem(2, policy=SD3Policy(tiny_sd3_path))
+    assert "Wan and HunyuanVideo 1.5 only" in problem(2, policy=SD3Policy(tiny_sd3_path))
     assert "must divide the 2 attention heads" in problem(4)
     # 1 latent frame × 3 × 3 patches at 48 px: 9 tokens do not split in two
     assert "must divide the 9 video tokens" in problem(2, sampler=Sampler(height=48, width=48, frames=1))

@@ -11,9 +11,11 @@ any weight is read); :meth:`load` reads the weights. ``FlowGRPOModule.configure_
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
+import pkgutil
 import re
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -54,8 +56,20 @@ WIDTH_FLAG = "--model.init_args.sampler.width"
 FRAMES_FLAG = "--model.init_args.sampler.frames"
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
-# Where lit_flowgrpo.tiny's builders put their pipelines by default (`python -m lit_flowgrpo.tiny.<family>`).
-_TINY_FOLDER = re.compile(r"(?:^|/)\.tiny_models/(sd3|flux|qwenimage|wan)/?$")
+# Where lit_flowgrpo.tiny's builders put their pipelines by default (`python -m lit_flowgrpo.tiny.<family>`
+# writes `.tiny_models/<family>`); which names are families is read from that package's modules.
+_TINY_FOLDER = re.compile(r"(?:^|/)\.tiny_models/(\w+)/?$")
+#: The modules of lit_flowgrpo.tiny that build no pipeline.
+_TINY_HELPERS = frozenset({"specs", "tokenizers"})
+
+
+def _tiny_builder(name: str) -> bool:
+    """Whether ``lit_flowgrpo.tiny.<name>`` builds a tiny pipeline, found without importing that package
+    (``find_spec`` of a subpackage imports its parent only)."""
+    spec = importlib.util.find_spec("lit_flowgrpo.tiny")
+    if spec is None or spec.submodule_search_locations is None or name in _TINY_HELPERS:
+        return False
+    return name in {m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)}
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -88,8 +102,9 @@ def check_pretrained(pretrained: str, flag: str) -> list[str]:
             ]
         return []
     if os.path.sep in pretrained.rstrip("/").lstrip("./") and pretrained.startswith((".", "/", "~")):
+        # configs/tiny_sd3.yaml on a fresh clone: the tiny pipeline is built, never shipped
         tiny = _TINY_FOLDER.search(pretrained)
-        if tiny:  # configs/tiny_sd3.yaml on a fresh clone: the tiny pipeline is built, never shipped
+        if tiny and _tiny_builder(tiny.group(1)):
             return [
                 f"{flag} ({pretrained}) does not exist: build the tiny random {tiny.group(1)} pipeline there "
                 f"first with `python -m lit_flowgrpo.tiny.{tiny.group(1)} {pretrained}`"
@@ -320,7 +335,7 @@ class FlowPolicy(nn.Module, ABC):
         checked against one process) overrides this; the others refuse."""
         return [
             f"{flag} ({sp}): {type(self).__name__} does not split its tokens over ranks (sequence parallelism is "
-            f"built and checked for Wan's transformer only): set {flag}=1"
+            f"built and checked for the transformers of Wan and HunyuanVideo 1.5 only): set {flag}=1"
         ]
 
     def image_size_problems(

@@ -177,6 +177,10 @@ def test_one_lora_step_trains_only_the_adapter(paths: dict[str, str]) -> None:
 def test_bad_input_names_the_flag(paths: dict[str, str], tmp_path) -> None:
     with pytest.raises(ValueError, match=f"{FLAG}.*does not exist"):
         Flux2KleinPolicy(str(tmp_path / "nowhere" / "flux2")).load()
+    # The tiny pipeline's default folder, not built yet: the message says how to build it.
+    missing = str(tmp_path / ".tiny_models" / "flux2")
+    (problem,) = Flux2KleinPolicy(missing).problems()
+    assert problem.endswith(f"first with `python -m lit_flowgrpo.tiny.flux2 {missing}`"), problem
     (problem,) = Flux2KleinPolicy(paths["dev"]).problems()  # read before any weight
     assert problem.startswith(FLAG) and "Flux2Pipeline" in problem and "Flux2KleinPipeline" in problem
     (problem,) = Flux2DevPolicy(paths["klein"], guidance_scale=1.0).problems()

@@ -130,6 +130,10 @@ def test_one_lora_step_trains_only_the_adapter(paths: dict[str, str]) -> None:
 def test_bad_input_names_the_flag(paths: dict[str, str], tmp_path, tiny_flux_path: str) -> None:
     with pytest.raises(ValueError, match=f"{FLAG}.*does not exist"):
         ZImagePolicy(str(tmp_path / "nowhere" / "zimage")).load()
+    # The tiny pipeline's default folder, not built yet: the message says how to build it.
+    missing = str(tmp_path / ".tiny_models" / "zimage")
+    (problem,) = ZImagePolicy(missing).problems()
+    assert problem.endswith(f"first with `python -m lit_flowgrpo.tiny.zimage {missing}`"), problem
     (problem,) = ZImagePolicy(tiny_flux_path).problems()  # read before any weight
     assert problem.startswith(FLAG) and "FluxPipeline" in problem and "ZImagePipeline" in problem
     problems = ZImagePolicy(paths["turbo"], max_sequence_length=0, prompt_cache_size=-1).problems()
