@@ -445,8 +445,7 @@ def serve(settings: ServerSettings) -> None:
     async def run() -> None:
         runner = web.AppRunner(server.app(), access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, settings.host, settings.port)
-        await site.start()
+        await _listen(web, runner, settings)
         port = runner.addresses[0][1]
         print(f"serving reward {settings.reward!r} on http://{settings.host}:{port}", flush=True)
         stop = asyncio.Event()
@@ -473,8 +472,7 @@ def running(settings: ServerSettings) -> Iterator[tuple[str, RewardServer]]:
     async def start() -> None:
         runner = web.AppRunner(server.app(), access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, settings.host, settings.port)
-        await site.start()
+        await _listen(web, runner, settings)
         ready.update(runner=runner, port=runner.addresses[0][1])
 
     def run() -> None:
@@ -491,6 +489,8 @@ def running(settings: ServerSettings) -> Iterator[tuple[str, RewardServer]]:
     thread.start()
     started.wait()
     if "error" in ready:
+        thread.join()
+        loop.close()
         raise ready["error"]
     try:
         yield f"http://{settings.host}:{ready['port']}", server
@@ -499,6 +499,19 @@ def running(settings: ServerSettings) -> Iterator[tuple[str, RewardServer]]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
         loop.close()
+
+
+async def _listen(web: Any, runner: Any, settings: ServerSettings) -> None:
+    """Start listening on ``settings``' address; one that cannot be bound is a settings error."""
+    try:
+        await web.TCPSite(runner, settings.host, settings.port).start()
+    except OSError as err:
+        await runner.cleanup()
+        raise SettingsError(
+            f"--host {settings.host} --port {settings.port} cannot be listened on ({err.strerror or err}): "
+            "another server holds the port, or the address is not this machine's; pick another --port "
+            "(0 picks a free one)"
+        ) from err
 
 
 def _aiohttp_web() -> Any:

@@ -228,6 +228,16 @@ def test_settings_and_group_rewards_are_refused_before_serving() -> None:
     assert callable(build_reward("served"))
 
 
+def test_a_port_in_use_is_a_settings_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        settings = ServerSettings(reward="recorder_for_server_tests", port=port)
+        with pytest.raises(SettingsError, match=rf"--port {port} cannot be listened on"), running(settings):
+            pass
+
+
 def test_the_command_line_reads_a_shipped_config_and_flags_over_it() -> None:
     settings = parse(["--config", "reward_server/shapes", "--port", "0", "--max_batch_size", "8"])
     assert (settings.reward, settings.plugins, settings.port, settings.max_batch_size) == (
