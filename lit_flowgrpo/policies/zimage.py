@@ -117,11 +117,15 @@ class ZImagePolicy(PackedLatentPolicy):
             neg = embeds_to(self.encode_prompts([self.negative_prompt]), embeds["prompt_embeds"].device)
             prompts = prompts + _rows(neg["prompt_embeds"], neg["prompt_embeds_mask"]) * batch
             x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
-        # The pipeline's time: t = σ·1000 from the scheduler, fed as (1000 − t) / 1000.
-        timestep = (1000 - sigma * 1000) / 1000
+        # The pipeline's time: t = σ·1000 from the scheduler, fed as (1000 − t) / 1000 in float32 whatever
+        # the model's dtype (ZImagePipeline.__call__; the transformer's timestep embedding computes its
+        # frequencies in float32 and casts them to its weights' dtype, so frozen bf16 copies and float32
+        # masters under autocast round them alike). In bf16, 1 − σ would move by up to 2⁻⁹, a whole unit
+        # of the transformer's t·1000.
+        timestep = (1000 - sigma * 1000) / 1000  # (B,) fp32
         out = transformer(
             list(x.to(dtype).unsqueeze(2).unbind(0)),  # B × (C, 1, h, w)
-            timestep.to(dtype),
+            timestep,
             [p.to(device, dtype) for p in prompts],
             return_dict=False,
         )[0]
