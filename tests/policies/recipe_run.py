@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
 
 from lit_flowgrpo.cli import FlowGRPOCLI, main
+
+#: A reward that needs no weights, for the recipes' image rewards.
+NO_DOWNLOAD_REWARD = {"weights": {"jpeg_compressibility": 1.0}}
 
 
 def fit_export_resume(
@@ -19,10 +24,16 @@ def fit_export_resume(
     tmp_path: Path,
     size: int = 32,
     max_len: int = 24,
+    *,
+    frames: int = 1,
+    reward: dict[str, Any] | None = None,
+    load_adapter: Callable[[Any, str], None] | None = None,
 ) -> None:
     """Fit ``recipe`` (a shipped config) on the ``tiny`` pipeline on the CPU for one rollout (2 optimizer
-    steps; a no-download reward), export its LoRA, read it back with ``pipeline.load_lora_weights`` (bit
-    for bit), and resume from the checkpoint for one more rollout."""
+    steps; ``reward``: the reward's ``init_args``, a no-download one by default), export its LoRA, read it
+    back into ``pipeline`` (bit for bit) with ``load_adapter(pipe, folder)`` (by default the pipeline's own
+    ``load_lora_weights``), and resume from the checkpoint for one more rollout. ``frames``: a video
+    recipe's frames per sample."""
     cfg = yaml.safe_load(
         (Path(__file__).resolve().parents[2] / "lit_flowgrpo" / "configs" / recipe).read_text()
     )
@@ -48,9 +59,12 @@ def fit_export_resume(
         ],
     )
     model["policy"]["init_args"].update(pretrained=tiny, max_sequence_length=max_len)
-    model["reward"]["init_args"] = {"weights": {"jpeg_compressibility": 1.0}}  # no weights to download
-    window = model["sampler"]["sde_window_range"]
-    model["sampler"].update(height=size, width=size, num_steps=window[1], eval_num_steps=2, batch_size=4)
+    model["reward"]["init_args"] = NO_DOWNLOAD_REWARD if reward is None else reward
+    window = model["sampler"].get("sde_window_range")  # a recipe with a window: up to its end
+    steps = 2 if window is None else window[1]
+    model["sampler"].update(
+        height=size, width=size, frames=frames, num_steps=steps, eval_num_steps=2, batch_size=4
+    )
     model["update"]["micro_batch_size"] = 4
     cfg["data"]["init_args"].update(train=prompt_file, val=None, prompts_per_step=2, group_size=4)
     path = tmp_path / "run.yaml"
@@ -69,7 +83,10 @@ def fit_export_resume(
     ckpt = tmp_path / "ckpt" / "last.ckpt"
     main(["export", "--config", str(path), "--ckpt_path", str(ckpt), "--out", str(out)])
     pipe = pipeline.from_pretrained(tiny)
-    pipe.load_lora_weights(str(out), adapter_name="rl")  # the family pipeline's own LoRA loader
+    if load_adapter is None:
+        pipe.load_lora_weights(str(out), adapter_name="rl")  # the family pipeline's own LoRA loader
+    else:
+        load_adapter(pipe, str(out))
     loaded = dict(pipe.transformer.named_parameters())
     for name, value in trained.items():  # the checkpoint's adapter, bit for bit
         torch.testing.assert_close(
