@@ -131,7 +131,7 @@ class PerformanceSettings:
             group generating and training the same samples, each rank computing every transformer
             block on 1/sp of the tokens (Ulysses attention: an all-to-all in each self-attention).
             Must divide the number of ranks, the transformer's attention heads and the video tokens
-            per sample; Wan only; under ``--trainer.strategy=ddp`` or ``fsdp2``. 1: off.
+            per sample; Wan and HunyuanVideo 1.5; under ``--trainer.strategy=ddp`` or ``fsdp2``. 1: off.
     """
 
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
