@@ -10,7 +10,7 @@ import torch
 from diffusers import Flux2KleinPipeline, Flux2Pipeline
 from peft import LoraConfig
 from recipe_run import fit_export_resume
-from tolerances import depth, network_atol, sampling_layers
+from tolerances import EPS32, depth, network_atol, sampling_layers
 
 from lit_flowgrpo.policies.flux2 import Flux2DevPolicy, Flux2KleinPolicy
 from lit_flowgrpo.tiny.flux2 import build_tiny_flux2
@@ -132,7 +132,10 @@ def test_sigmas_follow_the_empirical_shift_of_tokens_and_steps(policy: Flux2Klei
         expected = [math.exp(mu) / (math.exp(mu) + (1 / s - 1)) for s in base] + [0.0]
         got = policy.sigmas(steps, size, size)
         assert got.dtype == torch.float32 and got.shape == (steps + 1,)
-        torch.testing.assert_close(got, torch.tensor(expected), atol=2e-6, rtol=0)
+        # The scheduler's float64 shift rounded once to float32 (sigmas <= 1): within half an eps.
+        torch.testing.assert_close(
+            got.double(), torch.tensor(expected, dtype=torch.float64), atol=EPS32, rtol=0
+        )
 
 
 def test_prompts_are_the_pipelines_rows_encoded_once(policy: Flux2KleinPolicy) -> None:
