@@ -160,11 +160,11 @@ class SFT(FlowMatchingOnImages):
         zero = torch.zeros((), device=x0.device)
         if not live:
             pad = velocity.sum() * 0.0  # padding: touches the graph so DDP sees every parameter
-            return Visit(pad, pad, zero, zero, None)
+            return Visit(pad, pad, zero, None, None)
         loss, per_sample = sft_loss(
             velocity[:live], x0[:live], noise[:live], sigma[:live], self.weighting_scheme
         )
-        return Visit(loss, loss, zero, zero, {"loss": per_sample.detach(), "sigma": sigma[:live]})
+        return Visit(loss, loss, zero, None, {"loss": per_sample.detach(), "sigma": sigma[:live]})
 
     def diagnostics(
         self, num_steps: int, settings: DiagnosticsSettings, process_group: Any = None
@@ -236,7 +236,7 @@ class DiffusionDPO(FlowMatchingOnImages):
         zero = torch.zeros((), device=x.device)
         if not live:
             pad = v_theta.sum() * 0.0  # padding: touches the graph so DDP sees every parameter
-            return Visit(pad, pad, zero, zero, None)
+            return Visit(pad, pad, zero, None, None)
         x0, eps = torch.cat([x_w, x_l]), torch.cat([noise, noise])
         err, ref_err = flow_matching_errors(v_theta, x0, eps), flow_matching_errors(v_ref, x0, eps)  # (2N,)
         loss, stats = diffusion_dpo_loss(
@@ -245,7 +245,7 @@ class DiffusionDPO(FlowMatchingOnImages):
         if self.sft_coef:
             loss = loss + self.sft_coef * err[:live].mean()
         diagnostics = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
-        return Visit(loss, loss, zero, zero, diagnostics)
+        return Visit(loss, loss, zero, None, diagnostics)
 
     def diagnostics(
         self, num_steps: int, settings: DiagnosticsSettings, process_group: Any = None
@@ -333,7 +333,7 @@ class WithSFT(Objective):
         images = DataBatch(batch.images, batch.embeds, batch.sample_ids, batch.keep)
         out = self._sft.visit(ctx, images, idx, live, 0)
         zero = torch.zeros((), device=out.loss.device)
-        return Visit(out.loss * (self.coef * (n + 1)), zero, zero, zero, None)
+        return Visit(out.loss * (self.coef * (n + 1)), zero, zero, None, None)
 
     def diagnostics(
         self, num_steps: int, settings: DiagnosticsSettings, process_group: Any = None

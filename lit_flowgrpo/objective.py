@@ -659,7 +659,7 @@ class DiffusionNFT(Objective):
         zero = torch.zeros((), device=x.device)
         if not live:
             pg_loss = v_theta.sum() * 0.0  # padding: touches the graph so DDP sees every parameter
-            return Visit(pg_loss, pg_loss, zero, zero, None)
+            return Visit(pg_loss, pg_loss, zero, None, None)
         rows = idx[:live]
         r = nft_reward_probability(batch.advantages[rows], adv_clip_max=self.adv_clip_max, mode=self.adv_mode)
         pg_loss, stats = nft_loss(
@@ -681,8 +681,9 @@ class DiffusionNFT(Objective):
             kl = batch.kl_term((diff**2).mean(dim=tuple(range(1, diff.ndim))), rows)
         loss = pg_loss + ctx.kl.coef * kl if ctx.kl.on else pg_loss
         diagnostics = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
-        # No ratio to check: DiffusionNFT's off-policy gap is the old deviation, logged as such.
-        return Visit(loss, pg_loss, kl, zero, diagnostics)
+        # No ratio to check (None: nothing logged): DiffusionNFT's off-policy gap is the old deviation,
+        # logged as such.
+        return Visit(loss, pg_loss, kl, None, diagnostics)
 
     def old_policy_decay(self, optimizer_steps: int) -> float:
         delay, rate, cap = self.schedule

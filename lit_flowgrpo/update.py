@@ -307,9 +307,9 @@ def run_update(
                     out = objective.visit(epoch_ctx, batch, idx, live, v)
                     result.forwards["update"] += per_row * len(idx)
                     result.forwards["ref"] += per_row * len(idx) if ctx.kl.runs_reference or pairs else 0
-                    if first:
+                    if first and out.on_policy_error is not None:  # None: no ratio to check
                         _on_policy_check(out.on_policy_error, on_policy_tol, dp, hooks)
-                        first = False
+                    first = False
                     # Accumulated on the device: no host read per (micro-batch, visit).
                     result.loss_sums += torch.stack(
                         [

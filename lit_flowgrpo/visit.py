@@ -54,8 +54,10 @@ class Visit:
     """Scalar: the objective's loss + β·KL (padding rows excluded), differentiable."""
     pg_loss: Tensor
     kl: Tensor
-    on_policy_error: Tensor
-    """Scalar: mean |ratio − 1| of the live rows (0 when every row was padding)."""
+    on_policy_error: Tensor | None
+    """Scalar: mean |ratio − 1| of the live rows (0 when every row was padding); ``None`` for an
+    objective that has no importance ratio (DiffusionNFT, SFT, Diffusion-DPO): nothing is logged then,
+    since a logged 0 would read as a check that passed."""
     diagnostics: dict[str, Tensor] | None
     """Keyword arguments of the diagnostics metric's ``update`` (``None`` when every row was padding)."""
 

@@ -51,7 +51,7 @@ class Counting(Objective):
     """Loss = w · (advantage of each live row); records every visit."""
 
     weight: nn.Parameter = field(default_factory=lambda: nn.Parameter(torch.ones(())))
-    error: float = 0.0
+    error: float | None = 0.0
     seen: list[tuple[list[int], int, int]] = field(default_factory=list)
     num_visits: int = 3
 
@@ -64,7 +64,8 @@ class Counting(Objective):
         loss = (self.weight * rows).sum() if live else self.weight * 0.0
         zero = torch.zeros(())
         diagnostics = {"value": rows} if live else None
-        return Visit(loss, loss, zero, torch.tensor(self.error if live else 0.0), diagnostics)
+        error = None if self.error is None else torch.tensor(self.error if live else 0.0)
+        return Visit(loss, loss, zero, error, diagnostics)
 
 
 class Recorder:
@@ -232,6 +233,12 @@ def test_on_policy_check_logs_the_first_visit_and_warns_above_the_tolerance() ->
     with pytest.warns(UserWarning, match=r"on-policy check: mean \|ratio − 1\| = 0\.5"):
         _, rec = run(Counting(error=0.5), rollout(4, 1))
     assert rec.logged["actor/on_policy_ratio_err"] == 0.5
+
+
+def test_an_objective_without_a_ratio_logs_no_on_policy_error() -> None:
+    # on_policy_error None (DiffusionNFT, SFT, Diffusion-DPO): no value, not a 0 that reads as a pass.
+    _, rec = run(Counting(error=None), rollout(4, 1))
+    assert "actor/on_policy_ratio_err" not in rec.logged and rec.steps > 0
 
 
 def test_on_policy_tolerance_is_resolved_by_its_settings() -> None:
