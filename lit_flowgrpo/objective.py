@@ -681,8 +681,7 @@ class DiffusionNFT(Objective):
             kl = batch.kl_term((diff**2).mean(dim=tuple(range(1, diff.ndim))), rows)
         loss = pg_loss + ctx.kl.coef * kl if ctx.kl.on else pg_loss
         diagnostics = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
-        # No ratio to check (None: nothing logged): DiffusionNFT's off-policy gap is the old deviation,
-        # logged as such.
+        # No ratio to check (None: nothing logged); the off-policy gap is the old deviation, logged as such.
         return Visit(loss, pg_loss, kl, None, diagnostics)
 
     def old_policy_decay(self, optimizer_steps: int) -> float:
