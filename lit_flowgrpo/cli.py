@@ -424,12 +424,6 @@ class FlowGRPOCLI(LightningCLI):
                     "enable_model_summary": False,
                     **kwargs,
                 }
-            # Every checkpoint of every run carries its run card (lit_flowgrpo.run_card), unless the
-            # config names the recorder itself.
-            from lit_flowgrpo.callbacks.run_card import RunCardRecorder
-
-            if self.subcommand == "fit" and not any(isinstance(c, RunCardRecorder) for c in callbacks):
-                kwargs["callbacks"] = [*kwargs.get("callbacks", callbacks), RunCardRecorder()]
         return super().instantiate_trainer(**kwargs)
 
     def before_instantiate_classes(self) -> None:

@@ -135,10 +135,8 @@ class FlowGRPOModule(L.LightningModule):
         self.kl_gate = None if self.kl.gate is None else KLGateController(self.kl.gate)
         # Every part with state: each saves and restores itself and moves after each update, in this
         # order (the idle guard first: a run that made no progress stops before anything moves).
-        self.parts = Parts([IdleRollouts(self.advantage.max_idle_rollouts), *self.copies.parts])
-        for part in (self.kl_gate, self.counters):
-            if part is not None:
-                self.parts.add(part)
+        optional = [p for p in (self.kl_gate, self.counters) if p is not None]
+        self.parts = Parts([IdleRollouts(self.advantage.max_idle_rollouts), *self.copies.parts, *optional])
         self._configured = False
 
     @property
@@ -238,10 +236,7 @@ class FlowGRPOModule(L.LightningModule):
         # Each chunk is scored as it is decoded (the reward's `overlap`): "reward" is the wait after it.
         with RewardQueue.for_batch(self.reward, batch, self.data_parallel) as scores:
             # The objective's sampling policy (DiffusionNFT's old policy; else the trained weights).
-            with (
-                self.copies.sampling(),
-                self.performance.sampling_weights(*self.policy.trainable_networks),
-            ):
+            with self.copies.sampling(), self.performance.sampling_weights(*self.policy.trainable_networks):
                 traj, images = self.sampler.rollout(
                     self.policy,
                     embeds,
@@ -406,6 +401,12 @@ class FlowGRPOModule(L.LightningModule):
     # ----------------------------------------------------------------------------------------------
     # Optimizers, checkpoints, export
     # ----------------------------------------------------------------------------------------------
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        # Every fit's checkpoints carry the run card, whoever built the Trainer (lit_flowgrpo.run_card).
+        from lit_flowgrpo.callbacks.run_card import run_card_callbacks
+
+        return run_card_callbacks(self.trainer)
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.parameters() if p.requires_grad]

@@ -15,7 +15,7 @@ A fact with no source says so: its value is a sentence that begins with ``"not m
 (:func:`not_measured`), never a number made up to fill the slot.
 
 Where each half comes from: during ``fit`` the callback
-:class:`~lit_flowgrpo.callbacks.run_card.RunCardRecorder` (which ``lit-flowgrpo fit`` always adds)
+:class:`~lit_flowgrpo.callbacks.run_card.RunCardRecorder` (which the module adds to every fit)
 reads the module, the trainer and the logged metrics, and writes the card into every checkpoint under
 :data:`CHECKPOINT_KEY`. A callback that measures a held-out gain the core cannot (it needs per-sample
 verdicts the base model was given) hands it over through the :class:`HeldOutSource` protocol, as the
@@ -282,8 +282,8 @@ def checkpoint_card(path: str, module: Any = None, *, use_ema: bool = True) -> d
     """The run card of the checkpoint at ``path``, with what an export of it writes (``export``:
     the checkpoint, its optimizer steps, and whether the EMA weights stand in for the trained ones).
 
-    A checkpoint written without :class:`~lit_flowgrpo.callbacks.run_card.RunCardRecorder` (from
-    Python, without the CLI) has no card: then ``trained`` comes from ``module`` (the export's, built
+    A checkpoint written without :class:`~lit_flowgrpo.callbacks.run_card.RunCardRecorder` (by an
+    earlier version, or by a module other than :class:`~lit_flowgrpo.module.FlowGRPOModule`) has no card: then ``trained`` comes from ``module`` (the export's, built
     from the run's config) and every measured fact is "not measured", saying why.
     """
     ckpt = _read_checkpoint(path)
@@ -574,11 +574,15 @@ def _trust_lines(trust: Any) -> list[str]:
     rewards = trust.get("rewards")
     if isinstance(rewards, Mapping) and isinstance(rewards.get("first"), Mapping):
         first, last = rewards["first"], rewards["last"]
+        text = f"{_window_text(first)} -> {_window_text(last)}"
+        if set(first["at_rollouts"]) & set(last["at_rollouts"]):
+            text += f" (the two windows share rollouts: fewer than {2 * rewards['window']} rollouts ran)"
         lines.append(
             _row(
-                "rollout reward (critic/rewards/mean)",
-                f"{_number(first['values'].get('critic/rewards/mean'))} at rollout {first['at_rollout']} -> "
-                f"{_number(last['values'].get('critic/rewards/mean'))} at rollout {last['at_rollout']}",
+                f"rollout reward (critic/rewards/mean; mean ± standard error over the first and the last "
+                f"{rewards['window']} rollouts: each rollout scores other prompts, so this is the training "
+                "reward's trend, not a held-out gain)",
+                text,
             )
         )
     else:
@@ -592,6 +596,16 @@ def _trust_lines(trust: Any) -> list[str]:
         lines += ["", "Validation means, the base model and the last evaluation:", ""]
         lines += _validation_table(validation)
     return lines
+
+
+def _window_text(window: Mapping[str, Any]) -> str:
+    """``1.02 ± 0.031 over rollouts 1–5 (5)``: a reward window of the card (its total reward)."""
+    key, at = "critic/rewards/mean", window["at_rollouts"]
+    if key not in window["mean"]:
+        return "no critic/rewards/mean logged"
+    se = window["standard_error"][key]
+    spread = f" ± {se:.3g}" if se is not None else " (one rollout: no spread)"
+    return f"{_number(window['mean'][key])}{spread} over rollouts {at[0]}–{at[-1]} ({len(at)})"
 
 
 def _held_out_text(h: Mapping[str, Any]) -> str:

@@ -134,6 +134,61 @@ def test_held_out_report_hands_over_its_paired_gain() -> None:
     )
 
 
+def test_the_rollout_reward_is_a_window_mean_at_each_end_with_its_spread() -> None:
+    """One rollout scores one batch of other prompts: the card keeps the first and the last
+    REWARD_WINDOW rollouts, their mean and standard error (sample std / √n), and shows both ends."""
+    from lit_flowgrpo.callbacks.run_card import REWARD_WINDOW, RunCardRecorder
+
+    rec = RunCardRecorder()
+    values = [1.0, 3.0, 2.0, 4.0, 5.0, 0.5, 7.0, 6.0, 2.5, 8.0, 9.0, 10.0]
+    for i, v in enumerate(values):
+        # A component logged from the third rollout on: its window counts only the rollouts that had it.
+        rec._rewards.add(
+            i + 1, {"critic/rewards/mean": v, **({"critic/rewards/c/mean": -v} if i >= 2 else {})}
+        )
+    facts = rec._rewards.facts()
+    first, last = facts["first"], facts["last"]
+    assert facts["window"] == REWARD_WINDOW == 5
+    assert first["at_rollouts"] == [1, 2, 3, 4, 5] and last["at_rollouts"] == [8, 9, 10, 11, 12]
+    # First window 1, 3, 2, 4, 5: mean 3, sample variance 10/4, standard error √(2.5/5).
+    assert first["mean"]["critic/rewards/mean"] == 3.0
+    assert first["standard_error"]["critic/rewards/mean"] == math.sqrt(2.5 / 5)
+    assert first["mean"]["critic/rewards/c/mean"] == -11 / 3  # rollouts 3 to 5 only
+    # Last window 6, 2.5, 8, 9, 10: mean 7.1, Σ(x − m)² = 35.2 (a few float64 roundings: 2^-50 relative).
+    assert last["mean"]["critic/rewards/mean"] == pytest.approx(7.1, rel=2**-52)  # fsum, one division
+    assert last["standard_error"]["critic/rewards/mean"] == pytest.approx(math.sqrt(35.2 / 4 / 5), rel=2**-50)
+    # A resume carries both windows on: the same facts after the card's round trip.
+    again = RunCardRecorder()
+    again._rewards = type(rec._rewards).restore(facts)
+    assert again._rewards.facts() == facts
+    page = model_card({"trust": {"rewards": facts}}).text
+    assert "3 ± 0.707 over rollouts 1–5 (5) -> 7.1 ± 1.33 over rollouts 8–12 (5)" in page
+    assert "not a held-out gain" in page and "share rollouts" not in page
+    # Fewer rollouts than two windows: the page says that the ends share rollouts; one rollout has no spread.
+    short = RunCardRecorder()
+    short._rewards.add(1, {"critic/rewards/mean": 2.0})
+    page = model_card({"trust": {"rewards": short._rewards.facts()}}).text
+    assert "2 (one rollout: no spread) over rollouts 1–1 (1)" in page and "share rollouts" in page
+
+
+def test_the_module_adds_the_recorder_to_a_trainer_built_by_hand(
+    tiny_sd3_path: str, prompt_file: str, tmp_path: Path
+) -> None:
+    """FlowGRPOModule.configure_callbacks: a hand-built Trainer without a recorder gets one (its
+    checkpoint holds the card); one with a recorder of its own (a subclass here) keeps that one only."""
+    from lit_flowgrpo.callbacks import RunCardRecorder
+
+    plain = _fit_card(tiny_sd3_path, prompt_file, tmp_path / "plain", devices=1, max_steps=1)
+    assert plain["trained"]["rollouts"] == 1 and plain["trust"]["on_policy_ratio_error"]["rollouts"] == 1
+
+    class Mine(RunCardRecorder):
+        pass
+
+    mine = Mine()
+    trainer = _fit_card(tiny_sd3_path, prompt_file, tmp_path / "mine", 1, max_steps=1, recorder=mine)
+    assert [c for c in trainer.callbacks if isinstance(c, RunCardRecorder)] == [mine]
+
+
 def test_not_measured_is_a_sentence_not_a_number() -> None:
     assert not is_measured(not_measured("validation did not run"))
     assert is_measured(0.0) and is_measured({"last": 1.0}) and is_measured("a policy name")
@@ -154,6 +209,10 @@ def _rows(*folders: Path) -> list[dict[str, str]]:
 
 def _column(rows: list[dict[str, str]], key: str) -> list[float]:
     return [float(r[key]) for r in rows if r.get(key)]
+
+
+def _is_reward_mean(key: str) -> bool:
+    return key.startswith("critic/rewards/") and key.endswith("/mean")
 
 
 def _last_row_with(rows: list[dict[str, str]], key: str) -> dict[str, str]:
@@ -331,11 +390,20 @@ def test_quickstart_export_carries_its_paired_gain_and_every_field_matches_the_l
     logged = {k: float(v) for k, v in tuned_row.items() if k.startswith(("val-core/", "val-aux/")) and v}
     assert validation["last"] == {"at_rollout": 2, "samples": 16, "values": logged}
 
-    # The rollouts' rewards, first and last, and the counters as last logged.
+    # The rollouts' rewards (2 rollouts: both windows hold both), and the counters as last logged.
     reward_rows = [r for r in rows if r.get("critic/rewards/mean")]
-    for which, row, at in (("first", reward_rows[0], 1), ("last", reward_rows[-1], 2)):
-        keys = [k for k in row if k.startswith("critic/rewards/") and k.endswith("/mean") and row[k]]
-        assert trust["rewards"][which] == {"at_rollout": at, "values": {k: float(row[k]) for k in keys}}
+    logged = [
+        {
+            "at_rollout": i + 1,
+            "values": {k: float(v) for k, v in r.items() if _is_reward_mean(k) and v},
+        }
+        for i, r in enumerate(reward_rows)
+    ]
+    for which in ("first", "last"):
+        window = trust["rewards"][which]
+        assert window["rollouts"] == logged and window["at_rollouts"] == [1, 2]
+        xs = [e["values"]["critic/rewards/mean"] for e in logged]
+        assert window["mean"]["critic/rewards/mean"] == math.fsum(xs) / 2  # the same sum, the same order
     counters = ("actor/dropped_samples", "actor/nonfinite_losses", "actor/skipped_optimizer_steps")
     assert trust["counters"] == {k: int(float(reward_rows[-1][k])) for k in counters}
 
@@ -400,14 +468,18 @@ def test_a_resumed_lora_run_carries_its_sessions_and_says_what_it_did_not_measur
 # --------------------------------------------------------------------------------------------------
 
 
-def _fit_card(pretrained: str, prompts: str, folder: Path, devices: int) -> dict[str, Any]:
-    """Two rollouts of 8 samples (2 prompts x 4) on ``devices`` CPU ranks; the card of the last checkpoint."""
+def _fit_card(
+    pretrained: str, prompts: str, folder: Path, devices: int, max_steps: int = 2, recorder: Any = None
+) -> Any:
+    """``max_steps`` rollouts of 8 samples (2 prompts x 4) on ``devices`` CPU ranks, the Trainer built by
+    hand with no run-card recorder (the module adds one) or with ``recorder``: the card of the last
+    checkpoint, or the Trainer when ``recorder`` is given."""
     import lightning as L
     from ddp_helpers import CloseProcessGroup
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lit_flowgrpo import FlowGRPOModule, KLSettings, PromptDataModule, Sampler, UpdateSettings
-    from lit_flowgrpo.callbacks import FinalCheckpoint, RunCardRecorder
+    from lit_flowgrpo.callbacks import FinalCheckpoint
     from lit_flowgrpo.policies import SD3Policy
 
     module = FlowGRPOModule(
@@ -422,12 +494,12 @@ def _fit_card(pretrained: str, prompts: str, folder: Path, devices: int) -> dict
         devices=devices,
         strategy="ddp_spawn" if devices > 1 else "auto",
         callbacks=[
-            RunCardRecorder(),
+            *([recorder] if recorder is not None else []),
             FinalCheckpoint(),
             ModelCheckpoint(dirpath=folder, save_last=True),
             CloseProcessGroup(),
         ],
-        max_steps=2,
+        max_steps=max_steps,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -435,7 +507,7 @@ def _fit_card(pretrained: str, prompts: str, folder: Path, devices: int) -> dict
         limit_val_batches=0,
     )
     trainer.fit(module, datamodule=PromptDataModule(train=prompts, prompts_per_step=2, group_size=4, seed=5))
-    return _checkpoint_card(folder / "last.ckpt")
+    return trainer if recorder is not None else _checkpoint_card(folder / "last.ckpt")
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import math
 import os
 import platform
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from lit_flowgrpo.run_card import (
     versions,
 )
 
-__all__ = ["RunCardRecorder"]
+__all__ = ["RunCardRecorder", "run_card_callbacks"]
 
 #: The logged keys of a validation (DESIGN.md: ``val-core/...``, ``val-aux/...``).
 _VALIDATION = ("val-core/", "val-aux/")
@@ -35,13 +35,19 @@ _VALIDATION = ("val-core/", "val-aux/")
 _GAP = re.compile(r"^val-aux/(?P<proxy>.+)_gap/mean@1$")
 _COUNTERS = ("actor/dropped_samples", "actor/nonfinite_losses", "actor/skipped_optimizer_steps")
 _REWARDS = re.compile(r"^critic/rewards/(.+/)?mean$")
+#: Rollouts averaged at each end of the run for the card's rollout reward: one rollout scores one batch of
+#: other prompts, so the first against the last is noise; a window's mean and the spread of its rollouts
+#: say how far apart the two ends are.
+REWARD_WINDOW = 5
 
 
 class RunCardRecorder(Callback):
     """Record the run card along ``fit`` and write it into every checkpoint (``checkpoint["run_card"]``).
 
-    ``lit-flowgrpo fit`` adds one to every run whose config names none; from Python, pass one in the
-    Trainer's callbacks. Every source is public: the module's settings
+    :class:`~lit_flowgrpo.module.FlowGRPOModule` adds one to every ``fit`` whose Trainer has none
+    (:func:`run_card_callbacks`, through Lightning's ``configure_callbacks``), from the command line or a
+    Trainer built by hand; give the Trainer your own (or a subclass) and that one is used. Every source is
+    public: the module's settings
     (:func:`~lit_flowgrpo.run_card.trained_facts`), the trainer (steps, seeds, the optimizer, the
     hardware), the metrics the module and the callbacks log (``trainer.callback_metrics``), the steps'
     outputs (the samples generated) and the callbacks that implement
@@ -54,8 +60,10 @@ class RunCardRecorder(Callback):
     - the validation keys (``val-core/*``, ``val-aux/*``: the rewards' means, ``val-aux/diversity``,
       ``val-aux/drift``, a proxy's gap) of the base model (Lightning's sanity check, when it covers the
       whole validation set: ``--trainer.num_sanity_val_steps=-1``) and of the last evaluation;
-    - ``critic/rewards/mean`` and each component's at the first and the last rollout, and the module's
-      counters (``actor/dropped_samples``, ``actor/nonfinite_losses``, ``actor/skipped_optimizer_steps``).
+    - ``critic/rewards/mean`` and each component's, averaged over the first and over the last
+      :data:`REWARD_WINDOW` rollouts that logged them (each rollout's value is kept, so the card shows
+      the window's mean, its standard error over those rollouts and which rollouts they were), and the
+      module's counters (``actor/dropped_samples``, ``actor/nonfinite_losses``, ``actor/skipped_optimizer_steps``).
 
     Keys the callbacks send straight to the loggers (``rollout/diversity``, ``perf/*``) do not pass
     through ``callback_metrics`` and are not on the card. A resumed run carries on from the card of its
@@ -71,7 +79,7 @@ class RunCardRecorder(Callback):
         self._ratio_logged = False
         self._kl = _Series()
         self._refreshes: int | None = None
-        self._rewards: dict[str, dict[str, Any]] = {}
+        self._rewards = _RewardWindows()
         self._counters: dict[str, int] = {}
         self._validation: dict[str, dict[str, Any]] = {}
         self._held_out: dict[str, dict[str, Any]] = {}
@@ -124,8 +132,7 @@ class RunCardRecorder(Callback):
             self._refreshes = int(metrics["actor/reference_refreshes"])
         rewards = {k: v for k, v in metrics.items() if _REWARDS.match(k)}
         if rewards:
-            self._rewards.setdefault("first", {"at_rollout": rollout, "values": rewards})
-            self._rewards["last"] = {"at_rollout": rollout, "values": rewards}
+            self._rewards.add(rollout, rewards)
         self._counters.update({k: int(metrics[k]) for k in _COUNTERS if k in metrics})
 
     # -- validation -------------------------------------------------------------------------------
@@ -204,7 +211,7 @@ class RunCardRecorder(Callback):
         self._kl = _Series.restore(trust.get("kl_to_reference"))
         kl = trust.get("kl_to_reference")
         self._refreshes = kl.get("reference_refreshes") if isinstance(kl, dict) else None
-        self._rewards = dict(trust["rewards"]) if isinstance(trust.get("rewards"), dict) else {}
+        self._rewards = _RewardWindows.restore(trust.get("rewards"))
         self._counters = dict(trust["counters"]) if isinstance(trust.get("counters"), dict) else {}
         validation = trust.get("validation") or {}
         self._validation = {k: v for k, v in validation.items() if isinstance(v, dict)}
@@ -281,7 +288,7 @@ class RunCardRecorder(Callback):
                 ),
                 "last": last or not_measured("no validation ran after training began"),
             },
-            "rewards": dict(self._rewards)
+            "rewards": self._rewards.facts()
             or not_measured(none_yet or "the module logs no critic/rewards/mean"),
             "counters": dict(self._counters) or not_measured(none_yet or "the module logs no counters"),
         }
@@ -355,6 +362,64 @@ class _Series:
             return cls()
         n = int(facts["rollouts"])
         return cls(facts["last"], facts["max"], facts["mean"] * n, n, int(facts.get("nonfinite_rollouts", 0)))
+
+
+def run_card_callbacks(trainer: Trainer) -> list[Callback]:
+    """``[RunCardRecorder()]`` for a ``fit`` whose Trainer has no recorder, else ``[]``: what
+    :meth:`~lit_flowgrpo.module.FlowGRPOModule.configure_callbacks` returns. A Trainer's own recorder is
+    kept (Lightning lets a module's callback replace the Trainer's of the same type or a subclass of it,
+    so returning one here would drop a user's subclass); validate, test and predict write no checkpoint
+    and get none."""
+    if trainer.state.fn != "fit" or any(isinstance(c, RunCardRecorder) for c in trainer.callbacks):
+        return []
+    return [RunCardRecorder()]
+
+
+@dataclass
+class _RewardWindows:
+    """The rollouts' reward means (``critic/rewards/mean`` and each component's) of the first and of the
+    last :data:`REWARD_WINDOW` rollouts that logged them, each rollout's values kept as logged."""
+
+    first: list[dict[str, Any]] = field(default_factory=list)
+    last: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, rollout: int, values: dict[str, float]) -> None:
+        entry = {"at_rollout": rollout, "values": values}
+        if len(self.first) < REWARD_WINDOW:
+            self.first.append(entry)
+        self.last = [*self.last, entry][-REWARD_WINDOW:]
+
+    def facts(self) -> dict[str, Any]:
+        if not self.first:
+            return {}
+        return {"window": REWARD_WINDOW, "first": _window(self.first), "last": _window(self.last)}
+
+    @classmethod
+    def restore(cls, facts: Any) -> _RewardWindows:
+        if not isinstance(facts, dict) or not is_measured(facts) or "window" not in facts:
+            return cls()  # none, or a card of the earlier format (one rollout at each end): start afresh
+        return cls(list(facts["first"]["rollouts"]), list(facts["last"]["rollouts"]))
+
+
+def _window(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """A window's mean and standard error (sample std over its rollouts / √n) per key, and its rollouts.
+    The rollouts of a window are not independent draws (the policy moves between them): the standard
+    error says how much one rollout's batch of prompts scatters, not a confidence interval."""
+    keys = sorted({k for e in entries for k in e["values"]})
+    mean, standard_error = {}, {}
+    for key in keys:
+        xs = [float(e["values"][key]) for e in entries if key in e["values"]]
+        m = math.fsum(xs) / len(xs)
+        mean[key] = m
+        standard_error[key] = (
+            math.sqrt(math.fsum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) if len(xs) > 1 else None
+        )
+    return {
+        "at_rollouts": [e["at_rollout"] for e in entries],
+        "mean": mean,
+        "standard_error": standard_error,
+        "rollouts": entries,
+    }
 
 
 def _rollouts_done(trainer: Trainer) -> int:
