@@ -23,7 +23,7 @@ from lit_flowgrpo.data import PromptBatch
 from lit_flowgrpo.distributed import DataParallel
 from lit_flowgrpo.errors import flag
 from lit_flowgrpo.image_data import ImageBatch, ImageDataModule
-from lit_flowgrpo.policies.base import Embeds, FlowPolicy
+from lit_flowgrpo.policies.base import Embeds, FlowPolicy, latent_shape_of
 from lit_flowgrpo.rollout import RolloutBatch
 from lit_flowgrpo.step_output import StageClock, StepOutput
 
@@ -121,31 +121,20 @@ def beside_rollout(
 
 @torch.no_grad()
 def encode_images(policy: FlowPolicy, images: Tensor) -> Tensor:
-    """(B, *latent) fp32: the latents x0 of images (B, 3, H, W) in [0, 1], the inverse of the policy's
-    ``decode``.
-
-    A family without a VAE (``policy.vae is None``) decodes in pixel space, x0 = 2·image − 1. A family
-    with one: the mean of the VAE's latent distribution (deterministic, so a cached latent is the one
-    recomputed; diffusers' SD3 scripts draw ``latent_dist.sample()``, whose spread is the VAE's
-    small posterior std), shifted and scaled as SD3's pipeline and training scripts do,
-    (z − shift_factor)·scaling_factor. A family whose latents are laid out otherwise (FLUX.1's and
-    Qwen-Image's packed tokens, video) is refused: its layout is not this one.
+    """(B, *latent) fp32: the latents x0 of images (B, 3, H, W) in [0, 1], each family's
+    :meth:`~lit_flowgrpo.policies.base.FlowPolicy.encode_images` (its VAE, normalisation and packing; pixel
+    space for a family without a VAE), checked against the layout its ``velocity`` takes. A video family
+    takes an image as a clip of one frame. A family that cannot encode says which and why.
     """
-    vae = policy.vae
-    if vae is None:
-        return images.float() * 2.0 - 1.0
-    if policy.modality != "image":
-        raise ValueError(f"{type(policy).__name__}: learning from images is built for image families")
-    pixels = (images * 2.0 - 1.0).to(device=next(vae.parameters()).device, dtype=vae.dtype)
-    dist = vae.encode(pixels).latent_dist
-    config = vae.config
-    shift = getattr(config, "shift_factor", None) or 0.0
-    latents = (dist.mode().float() - shift) * config.scaling_factor
-    want = tuple(policy.latent_shape(images.shape[-2], images.shape[-1]))
-    if tuple(latents.shape[1:]) != want:
+    if policy.modality == "video" and images.dim() == 4:
+        images = images[:, None]  # (B, 1, 3, H, W): one frame
+    latents = policy.encode_images(images).float()
+    frames = images.shape[1] if policy.modality == "video" else 1
+    want = latent_shape_of(policy, images.shape[-2], images.shape[-1], frames)
+    if tuple(latents.shape) != (len(images), *want):
         raise ValueError(
-            f"{type(policy).__name__}'s latents are laid out as {want}, the VAE gives {tuple(latents.shape[1:])}: "
-            "learning from images is built for SD3's layout (unpacked VAE latents)"
+            f"{type(policy).__name__}.encode_images gave latents of shape {tuple(latents.shape[1:])}, but its "
+            f"velocity takes {want}: the encoding is not the inverse of its decode"
         )
     return latents
 
@@ -288,6 +277,11 @@ def data_problems(objective: Any, sampler: Any, dm: Any, full_fine_tune: bool, k
     if source == "data_pairs" and not dm.pairs:
         p.append(
             f"--data.init_args.pairs must be true with {name}(pairs=data): it learns from preference pairs"
+        )
+    if sampler.frames != 1:
+        p.append(
+            f"{flag('sampler')}.frames ({sampler.frames}) must be 1 with {name}: the data module's records are "
+            "images, which a video family learns as clips of one frame"
         )
     if (dm.height, dm.width) != (sampler.height, sampler.width):
         p.append(

@@ -390,6 +390,23 @@ class FlowPolicy(nn.Module, ABC):
     def decode(self, latents: Tensor) -> Tensor:
         """Images (B, 3, H, W), or videos (B, F, 3, H, W) for a video :attr:`modality`; fp32 in [0, 1]."""
 
+    def encode_images(self, images: Tensor) -> Tensor:
+        """The clean latents x0 (B, *latent) fp32 of images, in the layout :meth:`velocity` takes: the
+        inverse of :meth:`decode` (what SFT and Diffusion-DPO learn from).
+
+        Args:
+            images: (B, 3, H, W) in [0, 1]; a video :attr:`modality` takes (B, F, 3, H, W).
+
+        A family encodes as its own pipeline encodes a conditioning image (img2img, editing,
+        image-to-video): the mean of the VAE's latent distribution (``retrieve_latents(...,
+        sample_mode="argmax")``, deterministic, so a cached latent is the one recomputed), the family's
+        normalisation, then its packing. A family that does not override this cannot learn from images.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot learn from images: it declares no encode_images (the inverse of its "
+            "decode into the latents its velocity takes); train it with an RL objective, or add the method"
+        )
+
     @abstractmethod
     def sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
         """The (num_steps + 1,) fp32 noise levels of sampling, descending, ending at 0."""
@@ -450,6 +467,12 @@ class FlowPolicy(nn.Module, ABC):
             return self.velocity(latents, torch.full((1,), 0.5, device=device), embeds, 1.0)
 
         return forward
+
+
+def vae_pixels(vae: nn.Module, images: Tensor) -> Tensor:
+    """Images in [0, 1] as a diffusers VAE takes them: in [-1, 1] (``VaeImageProcessor.normalize``), on the
+    VAE's device and in its dtype."""
+    return (images * 2.0 - 1.0).to(device=next(vae.parameters()).device, dtype=vae.dtype)
 
 
 def latent_shape_of(policy: FlowPolicy, height: int, width: int, frames: int = 1) -> tuple[int, ...]:

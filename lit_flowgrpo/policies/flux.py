@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lit_flowgrpo.policies.base import MMDIT_ATTENTION_PROJECTIONS, DType, Embeds, T5Truncation
+from lit_flowgrpo.policies.base import MMDIT_ATTENTION_PROJECTIONS, DType, Embeds, T5Truncation, vae_pixels
 from lit_flowgrpo.policies.packed import PackedLatentPolicy
 
 
@@ -121,3 +121,16 @@ class FluxPolicy(PackedLatentPolicy):
         x = x / self.vae.config.scaling_factor + self.vae.config.shift_factor
         image = self.vae.decode(x.to(self.vae.dtype), return_dict=False)[0]
         return pipe.image_processor.postprocess(image, output_type="pt").float()
+
+    @torch.no_grad()
+    def encode_images(self, images: Tensor) -> Tensor:
+        """The inverse of :meth:`decode`: the VAE's mean latent, ``(z − shift_factor)·scaling_factor``,
+        packed in 2×2 patches by the pipeline's ``_pack_latents`` (B, H/16·W/16, 4C), as
+        ``FluxKontextPipeline._encode_vae_image`` / ``prepare_latents`` encode a conditioning image and
+        diffusers' ``train_dreambooth_lora_flux.py`` its training images (which draw a sample)."""
+        vae = self.vae
+        height, width = images.shape[-2:]
+        self._packed_grid(height, width)  # checks the size and remembers the grid of a non-square one
+        z = vae.encode(vae_pixels(vae, images)).latent_dist.mode().float()
+        z = (z - vae.config.shift_factor) * vae.config.scaling_factor  # (B, C, h, w)
+        return self.pipe._pack_latents(z, *z.shape)

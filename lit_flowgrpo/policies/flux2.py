@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lit_flowgrpo.policies.base import MMDIT_ATTENTION_PROJECTIONS, DType, Embeds, embeds_to
+from lit_flowgrpo.policies.base import MMDIT_ATTENTION_PROJECTIONS, DType, Embeds, embeds_to, vae_pixels
 from lit_flowgrpo.policies.packed import PRETRAINED_FLAG, PackedLatentPolicy
 
 
@@ -166,6 +166,22 @@ class Flux2KleinPolicy(PackedLatentPolicy):
         x = pipe._unpatchify_latents(x * std + mean)  # (B, C, h, w)
         image = vae.decode(x.to(vae.dtype), return_dict=False)[0]
         return pipe.image_processor.postprocess(image, output_type="pt").float()
+
+    @torch.no_grad()
+    def encode_images(self, images: Tensor) -> Tensor:
+        """The inverse of :meth:`decode`: the VAE's mean latent patchified 2×2, normalised by the VAE's
+        batch-norm running statistics, ``(z − mean) / sqrt(var + eps)``, and flattened to tokens
+        (B, H/16·W/16, 4C), as ``Flux2KleinPipeline._encode_vae_image`` and ``_pack_latents`` encode a
+        reference image."""
+        pipe, vae = self.pipe, self.vae
+        height, width = images.shape[-2:]
+        self._packed_grid(height, width)  # checks the size and remembers the grid of a non-square one
+        z = pipe._patchify_latents(vae.encode(vae_pixels(vae, images)).latent_dist.mode().float())
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(
+            z.device, z.dtype
+        )
+        return pipe._pack_latents((z - mean) / std)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
         """The pipeline's schedule: ``linspace(1, 1/n, n)`` shifted by ``compute_empirical_mu(tokens, n)``

@@ -58,6 +58,7 @@ from lit_flowgrpo.policies.base import (
     check_pretrained,
     pretrained_dtype_kwargs,
     resolve_dtype,
+    vae_pixels,
 )
 from lit_flowgrpo.policies.packed import PRETRAINED_FLAG
 
@@ -436,6 +437,17 @@ class HunyuanVideo15Policy(FlowPolicy):
             video = vae.decode(x, return_dict=False)[0]  # (1, 3, F, H, W) in [-1, 1]
             videos.append(self.pipe.video_processor.postprocess_video(video, output_type="pt").float())
         return torch.cat(videos)
+
+    @torch.no_grad()
+    def encode_images(self, images: Tensor) -> Tensor:
+        """The inverse of :meth:`decode`: videos (B, F, 3, H, W) through the VAE's mean latent times
+        ``scaling_factor`` (B, C, (F − 1)/4 + 1, H/16, W/16), as ``HunyuanVideo15ImageToVideoPipeline.
+        _get_image_latents`` encodes its first frame. One video at a time, as :meth:`decode` decodes (the
+        VAE's causal attention mask does not broadcast over a batch of more than one)."""
+        vae = self.vae
+        pixels = vae_pixels(vae, images).transpose(1, 2)  # (B, 3, F, H, W)
+        z = [vae.encode(row[None]).latent_dist.mode().float() for row in pixels]
+        return torch.cat(z) * vae.config.scaling_factor
 
     def sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
         """The checkpoint scheduler's shifted noise levels for ``num_steps``, from the pipeline's

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lit_flowgrpo.policies.base import DType, Embeds, embeds_to
+from lit_flowgrpo.policies.base import DType, Embeds, embeds_to, vae_pixels
 from lit_flowgrpo.policies.packed import PRETRAINED_FLAG, PackedLatentPolicy
 
 
@@ -175,3 +175,18 @@ class QwenImagePolicy(PackedLatentPolicy):
         x = x / (1.0 / std) + mean  # written as the pipeline writes it, so the rounding agrees too
         image = vae.decode(x, return_dict=False)[0][:, :, 0]
         return pipe.image_processor.postprocess(image, output_type="pt").float()
+
+    @torch.no_grad()
+    def encode_images(self, images: Tensor) -> Tensor:
+        """The inverse of :meth:`decode`: the video VAE's mean latent of one frame, ``(z − mean) / std``
+        per channel, packed in 2×2 patches (B, H/16·W/16, 4C), as ``QwenImageEditPipeline._encode_vae_image``
+        and ``prepare_latents`` encode and pack an image (the frame axis of 1 dropped before packing)."""
+        vae = self.vae
+        height, width = images.shape[-2:]
+        self._packed_grid(height, width)  # checks the size and remembers the grid of a non-square one
+        z = vae.encode(vae_pixels(vae, images)[:, :, None]).latent_dist.mode().float()  # (B, C, 1, h, w)
+        mean = torch.tensor(vae.config.latents_mean, device=z.device).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std, device=z.device).view(1, -1, 1, 1, 1)
+        # The edit pipeline divides by std (img2img multiplies by 1 / std: 1 ulp apart).
+        z = ((z - mean) / std)[:, :, 0]  # (B, C, h, w)
+        return self.pipe._pack_latents(z, *z.shape)

@@ -24,6 +24,7 @@ from lit_flowgrpo.policies.base import (
     check_pretrained,
     pretrained_dtype_kwargs,
     resolve_dtype,
+    vae_pixels,
 )
 
 
@@ -153,6 +154,15 @@ class SD3Policy(FlowPolicy):
         latents = latents / vae.config.scaling_factor + vae.config.shift_factor
         image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return (image.float() / 2 + 0.5).clamp(0, 1)
+
+    @torch.no_grad()
+    def encode_images(self, images: Tensor) -> Tensor:
+        """(z − shift_factor)·scaling_factor of the VAE's mean latent, (B, C, H/8, W/8): the inverse of
+        :meth:`decode`, as ``StableDiffusion3Img2ImgPipeline.prepare_latents`` and diffusers'
+        ``train_dreambooth_sd3.py`` normalise (they draw ``latent_dist.sample()``; the mean here)."""
+        vae = self.vae
+        z = vae.encode(vae_pixels(vae, images)).latent_dist.mode().float()
+        return (z - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
 
     def sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
         # The pipeline's own scheduler config (shift 3 for SD3.5) gives exactly its sigmas.

@@ -46,6 +46,7 @@ from lit_flowgrpo.policies.base import (
     check_pretrained,
     pretrained_dtype_kwargs,
     resolve_dtype,
+    vae_pixels,
 )
 from lit_flowgrpo.policies.packed import PRETRAINED_FLAG
 
@@ -387,6 +388,19 @@ class WanPolicy(FlowPolicy):
         x = x / inv_std + mean  # written as the pipeline writes it, so the rounding agrees too
         video = vae.decode(x, return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
         return self.pipe.video_processor.postprocess_video(video, output_type="pt").float()
+
+    @torch.no_grad()
+    def encode_images(self, images: Tensor) -> Tensor:
+        """The inverse of :meth:`decode`: videos (B, F, 3, H, W) through the VAE's mean latent
+        (B, C, (F − 1)/4 + 1, H/8, W/8), normalised per channel as ``(z − mean)·(1/std)``, as
+        ``WanImageToVideoPipeline.prepare_latents`` encodes its conditioning video (``sample_mode="argmax"``)."""
+        vae = self.vae
+        z = vae.encode(vae_pixels(vae, images).transpose(1, 2)).latent_dist.mode().float()  # (B, C, f, h, w)
+        mean = torch.tensor(vae.config.latents_mean, device=z.device).view(1, vae.config.z_dim, 1, 1, 1)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std, device=z.device).view(
+            1, vae.config.z_dim, 1, 1, 1
+        )
+        return (z - mean) * inv_std
 
     def sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
         """The checkpoint scheduler's own noise levels for ``num_steps`` (size-independent for Wan)."""

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from lit_flowgrpo.attention import AttentionShape
-from lit_flowgrpo.policies.base import DType, Embeds, embeds_to
+from lit_flowgrpo.policies.base import DType, Embeds, embeds_to, vae_pixels
 from lit_flowgrpo.policies.packed import PackedLatentPolicy
 
 
@@ -142,6 +142,16 @@ class ZImagePolicy(PackedLatentPolicy):
         x = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         image = vae.decode(x, return_dict=False)[0]
         return self.pipe.image_processor.postprocess(image, output_type="pt").float()
+
+    @torch.no_grad()
+    def encode_images(self, images: Tensor) -> Tensor:
+        """The inverse of :meth:`decode`: the VAE's mean latent, ``(z − shift_factor)·scaling_factor``,
+        unpacked (B, C, H/8, W/8), as ``ZImageImg2ImgPipeline.prepare_latents`` normalises (its ControlNet
+        inpainting pipeline takes the mean, ``sample_mode="argmax"``, as here)."""
+        vae = self.vae
+        self._packed_grid(*images.shape[-2:])  # the size check latent_shape makes
+        z = vae.encode(vae_pixels(vae, images)).latent_dist.mode().float()
+        return (z - vae.config.shift_factor) * vae.config.scaling_factor
 
     # -- geometry and the schedule --------------------------------------------------------------------
 

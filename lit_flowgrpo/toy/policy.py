@@ -150,6 +150,10 @@ class PixelToyPolicy(FlowPolicy):
         """Images (B, 3, H, W) or clips (B, F, 3, H, W) in [0, 1]: the latents are the pixels in [-1, 1]."""
         return ((latents.float() + 1.0) / 2.0).clamp(0.0, 1.0)
 
+    def encode_images(self, images: Tensor) -> Tensor:
+        """The inverse of :meth:`decode`: the latents are the pixels, 2·image − 1, images or clips alike."""
+        return images.float() * 2.0 - 1.0
+
     def sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
         if num_steps < 1:
             raise ValueError(f"num_steps ({num_steps}) must be at least 1")

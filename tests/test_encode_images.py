@@ -1,0 +1,241 @@
+"""Each family's ``encode_images`` against its own diffusers pipeline: the latents it gives are the ones the
+family's image-conditioned pipeline computes for the same image (its ``_encode_vae_image`` or the lines of
+its ``prepare_latents``, with the VAE's mean, ``sample_mode="argmax"``), packed by the pipeline's own
+``_pack_latents``; the pipeline's own unpacking gives back the VAE's grid, and ``decode`` takes them
+(the layout ``velocity`` takes). Then SFT and offline Diffusion-DPO take a step on the tiny FLUX.1 and
+Qwen-Image.
+
+The two sides run the same operations on the same tensors in the same order, so they agree bit for bit
+(tests/tolerances.py: same shapes through the same kernels give the same bits).
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_datasets_images import write_images
+from test_module import brightness, make_trainer
+
+from lit_flowgrpo import FlowGRPOModule, KLSettings, Sampler, UpdateSettings
+from lit_flowgrpo.data_batch import encode_images
+from lit_flowgrpo.data_objective import SFT, DiffusionDPO
+from lit_flowgrpo.image_data import ImageDataModule
+from lit_flowgrpo.policies.base import FlowPolicy, vae_pixels
+from lit_flowgrpo.weights import LoraSettings, WeightsSettings
+
+SIZE = 32
+
+
+def _images(batch: int = 2, size: int = SIZE, frames: int | None = None) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    shape = (batch, 3, size, size) if frames is None else (batch, frames, 3, size, size)
+    return torch.rand(shape, generator=gen)
+
+
+def _mode(vae, pixels: torch.Tensor) -> torch.Tensor:
+    from diffusers.pipelines.flux.pipeline_flux_kontext import retrieve_latents
+
+    return retrieve_latents(vae.encode(pixels), sample_mode="argmax")
+
+
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory):
+    from lit_flowgrpo.policies import FluxPolicy
+    from lit_flowgrpo.tiny.flux import build_tiny_flux
+
+    p = FluxPolicy(build_tiny_flux(tmp_path_factory.mktemp("flux")), dtype="float32", max_sequence_length=16)
+    p.load()
+    return p
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    from lit_flowgrpo.policies import QwenImagePolicy
+    from lit_flowgrpo.tiny.qwenimage import build_tiny_qwenimage
+
+    path = build_tiny_qwenimage(tmp_path_factory.mktemp("qwen"))
+    p = QwenImagePolicy(path, dtype="float32", max_sequence_length=16)
+    p.load()
+    return p
+
+
+@torch.no_grad()
+def test_sd3_is_the_img2img_normalisation(tiny_sd3_path):
+    from lit_flowgrpo.policies import SD3Policy
+
+    policy = SD3Policy(tiny_sd3_path, dtype="float32")
+    policy.load()
+    images = _images()
+    x0 = encode_images(policy, images)
+    vae = policy.vae
+    # StableDiffusion3Img2ImgPipeline.prepare_latents: (z - shift) * scale of the VAE's latent
+    want = (_mode(vae, vae_pixels(vae, images)) - vae.config.shift_factor) * vae.config.scaling_factor
+    assert torch.equal(x0, want)
+    assert tuple(x0.shape[1:]) == policy.latent_shape(SIZE, SIZE)
+    assert policy.decode(x0).shape == images.shape
+
+
+@torch.no_grad()
+def test_flux_is_kontexts_encoding_packed_by_the_pipeline(flux):
+    from diffusers import FluxKontextPipeline
+
+    images = _images(size=SIZE)
+    x0 = encode_images(flux, images)
+    pipe, vae = flux.pipe, flux.vae
+    # FluxKontextPipeline encodes its conditioning image so (it reads only self.vae), then packs it.
+    z = FluxKontextPipeline._encode_vae_image(pipe, image=vae_pixels(vae, images), generator=None)
+    assert torch.equal(x0, pipe._pack_latents(z, *z.shape))
+    # The pipeline's own unpacking gives the VAE grid back, and the layout is the one velocity takes.
+    assert torch.equal(pipe._unpack_latents(x0, SIZE, SIZE, pipe.vae_scale_factor), z)
+    assert tuple(x0.shape[1:]) == flux.latent_shape(SIZE, SIZE)
+    assert flux.decode(x0).shape == images.shape
+
+
+@torch.no_grad()
+def test_flux_remembers_a_non_square_grid(flux):
+    images = torch.rand(1, 3, 32, 64)
+    x0 = encode_images(flux, images)
+    assert flux.decode(x0).shape == images.shape  # decoded at 32x64, not at a square guess
+
+
+@torch.no_grad()
+def test_qwenimage_is_the_edit_pipelines_encoding_packed_by_the_pipeline(qwen):
+    from diffusers import QwenImageEditPipeline
+
+    images = _images()
+    x0 = encode_images(qwen, images)
+    pipe, vae = qwen.pipe, qwen.vae
+    # QwenImageEditPipeline.prepare_latents: a frame axis of 1, the VAE's mean, (z - mean) / std.
+    edit = SimpleNamespace(vae=vae, latent_channels=vae.config.z_dim)  # what the edit pipeline's method reads
+    z = QwenImageEditPipeline._encode_vae_image(
+        edit, image=vae_pixels(vae, images)[:, :, None], generator=None
+    )
+    assert torch.equal(x0, pipe._pack_latents(z[:, :, 0], z.shape[0], z.shape[1], *z.shape[-2:]))
+    assert torch.equal(pipe._unpack_latents(x0, SIZE, SIZE, pipe.vae_scale_factor), z)
+    assert tuple(x0.shape[1:]) == qwen.latent_shape(SIZE, SIZE)
+    assert qwen.decode(x0).shape == images.shape
+
+
+@torch.no_grad()
+def test_flux2_is_the_reference_image_encoding(tmp_path):
+    from diffusers import Flux2KleinPipeline
+
+    from lit_flowgrpo.policies import Flux2KleinPolicy
+    from lit_flowgrpo.tiny.flux2 import build_tiny_flux2
+
+    policy = Flux2KleinPolicy(build_tiny_flux2(tmp_path / "flux2"), dtype="float32", max_sequence_length=16)
+    policy.load()
+    images = _images()
+    x0 = encode_images(policy, images)
+    pipe, vae = policy.pipe, policy.vae
+    # Flux2KleinPipeline: patchify, batch-norm statistics, then its _pack_latents
+    z = Flux2KleinPipeline._encode_vae_image(pipe, image=vae_pixels(vae, images), generator=None)
+    assert torch.equal(x0, pipe._pack_latents(z))
+    assert tuple(x0.shape[1:]) == policy.latent_shape(SIZE, SIZE)
+    assert policy.decode(x0).shape == images.shape
+
+
+@torch.no_grad()
+def test_zimage_is_the_img2img_normalisation(tmp_path):
+    from lit_flowgrpo.policies import ZImagePolicy
+    from lit_flowgrpo.tiny.zimage import build_tiny_zimage
+
+    policy = ZImagePolicy(build_tiny_zimage(tmp_path / "zimage"), dtype="float32", max_sequence_length=16)
+    policy.load()
+    images = _images()
+    x0 = encode_images(policy, images)
+    vae = policy.vae
+    # ZImageImg2ImgPipeline.prepare_latents: (z - shift) * scale, unpacked
+    want = (_mode(vae, vae_pixels(vae, images)) - vae.config.shift_factor) * vae.config.scaling_factor
+    assert torch.equal(x0, want)
+    assert tuple(x0.shape[1:]) == policy.latent_shape(SIZE, SIZE)
+    assert policy.decode(x0).shape == images.shape
+
+
+@torch.no_grad()
+def test_wan_is_the_image_to_video_encoding(tmp_path):
+    from lit_flowgrpo.policies import WanPolicy
+    from lit_flowgrpo.tiny.wan import build_tiny_wan
+
+    policy = WanPolicy(build_tiny_wan(tmp_path / "wan", "2.1"), dtype="float32", max_sequence_length=16)
+    policy.load()
+    frames = 5
+    videos = _images(frames=frames)
+    x0 = encode_images(policy, videos)
+    vae = policy.vae
+    # WanImageToVideoPipeline.prepare_latents: (B, 3, F, H, W), the mean, (z - mean) * (1 / std)
+    z = _mode(vae, vae_pixels(vae, videos).transpose(1, 2))
+    mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1)
+    assert torch.equal(x0, (z - mean) * inv_std)
+    assert tuple(x0.shape[1:]) == policy.latent_shape(SIZE, SIZE, frames)
+    assert policy.decode(x0).shape == videos.shape
+    # An image is a clip of one frame.
+    one = encode_images(policy, videos[:, 0])
+    assert tuple(one.shape[1:]) == policy.latent_shape(SIZE, SIZE, 1)
+
+
+@torch.no_grad()
+def test_hunyuanvideo15_is_the_image_to_video_encoding(tmp_path):
+    from diffusers import HunyuanVideo15ImageToVideoPipeline
+
+    from lit_flowgrpo.policies import HunyuanVideo15Policy
+    from lit_flowgrpo.tiny.hunyuanvideo15 import build_tiny_hunyuanvideo15
+
+    path = build_tiny_hunyuanvideo15(tmp_path / "hv15")
+    policy = HunyuanVideo15Policy(path, dtype="float32", vae_dtype="float32", max_sequence_length=16)
+    policy.load()
+    videos = (_images(frames=1) * 255).round() / 255  # 8-bit values: the pipeline takes PIL images
+    x0 = encode_images(policy, videos)
+    # HunyuanVideo15ImageToVideoPipeline._get_image_latents: (1, 3, 1, H, W), the mean, × scaling_factor,
+    # one image at a time; its processor's resize and normalisation are the identity and 2x - 1 at this size.
+    vae, processor = policy.vae, policy.pipe.video_processor
+    pil = processor.numpy_to_pil(videos[:, 0].permute(0, 2, 3, 1).numpy())
+    want = torch.cat(
+        [
+            HunyuanVideo15ImageToVideoPipeline._get_image_latents(vae, processor, p, SIZE, SIZE, "cpu")
+            for p in pil
+        ]
+    )
+    assert torch.equal(x0, want)
+    assert tuple(x0.shape[1:]) == policy.latent_shape(SIZE, SIZE, 1)
+    assert policy.decode(x0).shape == videos.shape
+
+
+def test_a_family_without_encode_images_says_which_and_why():
+    class NoEncoder(FlowPolicy):  # the interface only: nothing here needs weights
+        load = encode_prompts = velocity = decode = sigmas = latent_shape = lambda self, *a: None
+        transformer = None
+
+    with pytest.raises(NotImplementedError, match="NoEncoder cannot learn from images"):
+        encode_images(NoEncoder(), torch.zeros(1, 3, 8, 8))
+
+
+def _learner(policy, objective, **kl):
+    return FlowGRPOModule(
+        policy=policy,
+        reward=brightness,
+        objective=objective,
+        sampler=Sampler(num_steps=2, guidance_scale=1.0, height=SIZE, width=SIZE),
+        update=UpdateSettings(micro_batch_size=2, optimizer_steps_per_rollout=1),
+        weights=WeightsSettings(lora=LoraSettings(rank=4, alpha=8)),
+        kl=KLSettings(coef=0.0, **kl),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+    )
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen"])
+def test_sft_and_offline_dpo_take_a_step(family, request, tmp_path):
+    policy = request.getfixturevalue(family)
+    index = write_images(tmp_path / "data", 2, size=SIZE, pairs=True)
+    for objective, key in ((SFT(), "actor/sft_loss"), (DiffusionDPO(beta=50.0), "actor/dpo_reward_accuracy")):
+        module = _learner(type(policy)(policy.pretrained, dtype="float32", max_sequence_length=16), objective)
+        trainer = make_trainer(tmp_path / type(objective).__name__, max_steps=1, logger=False)
+        dm = ImageDataModule(train=index, prompts_per_step=2, height=SIZE, width=SIZE, pairs=True, seed=0)
+        trainer.fit(module, datamodule=dm)
+        logged = trainer.logged_metrics
+        assert trainer.global_step == 1 and key in logged
+        assert math.isfinite(float(logged["actor/loss"])) and float(logged["actor/grad_norm"]) > 0
