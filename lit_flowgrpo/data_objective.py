@@ -144,6 +144,9 @@ class SFT(FlowMatchingOnImages):
 
     Args:
         sigma_buckets: σ bands of the logged loss.
+        precondition_outputs: the loss on the x0 estimate x_σ − σ·v_θ (σ² × the velocity loss), the
+            default of diffusers' SD3 DreamBooth scripts (``--precondition_outputs 1``); off: the velocity
+            loss of flow_grpo's SFT script.
 
     The σ distribution and weighting are :class:`FlowMatchingOnImages`'.
     """
@@ -151,6 +154,7 @@ class SFT(FlowMatchingOnImages):
     name: ClassVar[str] = "sft"
 
     sigma_buckets: int = 4
+    precondition_outputs: bool = False
 
     def visit(self, ctx: VisitContext, batch: Any, idx: Tensor, live: int, v: int) -> Visit:
         """Noise samples ``idx`` at this visit's σ and return the flow-matching loss of the first ``live``."""
@@ -162,7 +166,12 @@ class SFT(FlowMatchingOnImages):
             pad = velocity.sum() * 0.0  # padding: touches the graph so DDP sees every parameter
             return Visit(pad, pad, zero, None, None)
         loss, per_sample = sft_loss(
-            velocity[:live], x0[:live], noise[:live], sigma[:live], self.weighting_scheme
+            velocity[:live],
+            x0[:live],
+            noise[:live],
+            sigma[:live],
+            self.weighting_scheme,
+            precondition=self.precondition_outputs,
         )
         return Visit(loss, loss, zero, None, {"loss": per_sample.detach(), "sigma": sigma[:live]})
 
@@ -191,8 +200,9 @@ class DiffusionDPO(FlowMatchingOnImages):
     margin (:class:`~lit_flowgrpo.metrics.DPODiagnostics`).
 
     Args:
-        beta: β (the released SD1.5/SDXL scripts: 5000 on the per-element mean of the ε error, the
-            unit of e here, with velocity errors in place of ε errors).
+        beta: β on the per-element mean of the velocity error: 100 in flow_grpo's and Flow-Factory's
+            SD3.5 recipes and verl-omni's Qwen-Image one (verl-omni's config default: 2000; the paper's
+            SD1.5/SDXL runs: 5000, on ε errors).
         pairs: ``data`` or ``rollout`` (above).
         sft_coef: weight of an added SFT term on the chosen image, mean(e_w) (0: the paper's loss).
 
@@ -202,7 +212,7 @@ class DiffusionDPO(FlowMatchingOnImages):
 
     name: ClassVar[str] = "diffusion_dpo"
 
-    beta: float = 5000.0
+    beta: float = 100.0
     pairs: Literal["data", "rollout"] = "data"
     sft_coef: float = 0.0
 
@@ -214,7 +224,9 @@ class DiffusionDPO(FlowMatchingOnImages):
         a = f"{flag_path or flag('objective')}."
         p = super().problems(sde_type, flag_path)
         if not (self.beta > 0 and math.isfinite(self.beta)):
-            p.append(f"{a}beta ({self.beta}) must be a finite number > 0 (the released scripts use 5000)")
+            p.append(
+                f"{a}beta ({self.beta}) must be a finite number > 0 (SD3.5's flow-matching recipes: 100)"
+            )
         if self.pairs not in ("data", "rollout"):
             p.append(f"{a}pairs ({self.pairs!r}) must be data (offline pairs) or rollout (online pairs)")
         if not self.sft_coef >= 0:

@@ -40,7 +40,9 @@ def learner(path: str, objective, **overrides):
 def test_registered_with_their_sources_defaults():
     sft, dpo = build_objective("sft"), build_objective("diffusion_dpo")
     assert isinstance(sft, SFT) and isinstance(dpo, DiffusionDPO)
-    # diffusers' SD3 scripts: logit-normal (0, 1), mode scale 1.29, SD3.5's shift 3; the DPO script's β.
+    # diffusers' SD3 scripts: logit-normal (0, 1), mode scale 1.29, SD3.5's shift 3, the velocity loss
+    # (flow_grpo's SFT; the scripts at --precondition_outputs 0); β of flow_grpo's and Flow-Factory's
+    # SD3.5 Diffusion-DPO recipes.
     assert (sft.weighting_scheme, sft.logit_mean, sft.logit_std, sft.mode_scale, sft.shift) == (
         "logit_normal",
         0.0,
@@ -48,7 +50,7 @@ def test_registered_with_their_sources_defaults():
         1.29,
         3.0,
     )
-    assert dpo.beta == 5000.0
+    assert dpo.beta == 100.0 and sft.precondition_outputs is False
     assert (sft.learns_from, dpo.learns_from, DiffusionDPO(pairs="rollout").learns_from) == (
         "data",
         "data_pairs",

@@ -5,19 +5,29 @@ Conventions (DESIGN.md): x_σ = (1 − σ)·x0 + σ·ε, the network predicts th
 
 Sources:
 
-- SFT: diffusers' ``examples/dreambooth/train_dreambooth_sd3.py`` (and the SD3 paper, Esser et al.
-  2024, §3.1): σ from ``compute_density_for_timestep_sampling`` (logit-normal, mode or uniform) as an
-  index into the scheduler's 1000 training sigmas (shifted), the loss
-  mean_n(mean_elements(w(σ_n)·(v_θ − (ε − x0))²)) with w from ``compute_loss_weighting_for_sd3``. Both
-  diffusers functions are called, not rewritten.
+- SFT: diffusers' ``examples/dreambooth/train_dreambooth_sd3.py`` and ``train_dreambooth_lora_sd3.py``
+  (and the SD3 paper, Esser et al. 2024, §3.1): σ from ``compute_density_for_timestep_sampling``
+  (logit-normal, mode or uniform) as an index ⌊u·N⌋ into the training scheduler's N = 1000 sigmas,
+  which the scheduler has shifted (``FlowMatchEulerDiscreteScheduler.from_pretrained``: SD3.5's shift 3),
+  the loss mean_n(mean_elements(w(σ_n)·(v_θ − (ε − x0))²)) with w from
+  ``compute_loss_weighting_for_sd3``. Both diffusers functions are called, not rewritten. Those two
+  scripts default to ``--precondition_outputs 1``: the loss on the x0 estimate x_σ − σ·v_θ against x0,
+  which is σ²·(v_θ − (ε − x0))² (x_σ − x0 = σ·(ε − x0)); ``precondition=True`` gives that, the default
+  (False) the velocity loss of flow_grpo's ``scripts/train_sd3_sft.py`` (the same σ draw, w = 1).
 - Diffusion-DPO: Wallace et al. 2023 (arXiv:2311.12908), eq. 14, as its released training script and
   diffusers' ``examples/research_projects/diffusion_dpo/train_diffusion_dpo.py`` compute it: chosen (w)
   and rejected (l) image noised with the same ε at the same σ; e = mean_elements((pred − target)²) for
   the trained model and the reference; ``inside = −β/2 · ((e_w − e_l) − (e_w^ref − e_l^ref))``;
-  loss = mean(−log σ(inside)); implicit accuracy = share of inside > 0. In the flow-matching form the
-  target is the velocity ε − x0 instead of ε (the form flow_grpo's ``train_sd3_dpo.py``, Flow-Factory's
-  and verl-omni's Diffusion-DPO use); the paper's T·ω(λ_t) factor is folded into β as in every
-  released script.
+  loss = mean over pairs of −log σ(inside); implicit accuracy = share of inside > 0. The flow-matching
+  form, with the velocity ε − x0 as the target instead of ε, is what flow_grpo's
+  ``scripts/train_sd3_dpo.py``, Flow-Factory's ``trainers/dpo.py`` and verl-omni's ``DPOLoss``
+  (``docs/algo/diffusion_dpo.md``) compute, each exactly so: the per-sample mean over all elements of
+  the squared error, −0.5·β, ``-logsigmoid(...).mean()`` over pairs, one ε shared by a pair, and σ
+  drawn logit-normal (0, 1) as an index into the shifted training sigmas (flow_grpo, verl-omni;
+  Flow-Factory draws t from a shifted logit-normal directly). The paper's T·ω(λ_t) factor is folded
+  into β as in every released script. β: 100 in flow_grpo's and Flow-Factory's SD3.5 recipes and
+  verl-omni's Qwen-Image one (verl-omni's config default 2000); 5000 in the paper's SD1.5/SDXL runs,
+  on ε errors.
 """
 
 from __future__ import annotations
@@ -87,16 +97,25 @@ def flow_matching_errors(
 
 
 def sft_loss(
-    velocity: Tensor, x0: Tensor, noise: Tensor, sigma: Tensor, scheme: WeightingScheme
+    velocity: Tensor,
+    x0: Tensor,
+    noise: Tensor,
+    sigma: Tensor,
+    scheme: WeightingScheme,
+    *,
+    precondition: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The flow-matching loss on data and its per-sample terms: (scalar, (N,) fp32).
 
     loss = mean_n mean_elements(w(σ_n)·(v_θ − (ε − x0))²), w = ``compute_loss_weighting_for_sd3(scheme, σ)``
-    (diffusers' SD3 DreamBooth script's loss, without its optional preconditioning of the output).
+    (flow_grpo's SFT script; diffusers' SD3 DreamBooth scripts at ``--precondition_outputs 0``). With
+    ``precondition`` w is multiplied by σ²: the scripts' default, a loss on x_σ − σ·v_θ against x0.
     """
     from diffusers.training_utils import compute_loss_weighting_for_sd3
 
     weights = compute_loss_weighting_for_sd3(scheme, sigma.float())
+    if precondition:
+        weights = weights * sigma.float() ** 2  # (x_σ − σ·v − x0)² = σ²·(v − (ε − x0))²
     per_sample = flow_matching_errors(velocity, x0, noise, weights)
     return per_sample.mean(), per_sample
 
