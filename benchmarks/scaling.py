@@ -46,7 +46,14 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from profiling import ProfileSteps  # benchmarks/ siblings: the script's folder is on sys.path
-from throughput import TINY, BenchWanPolicy, BenchZImagePolicy, bench_flux2_policy, tiny_spec
+from throughput import (
+    TINY,
+    BenchHunyuanVideo15Policy,
+    BenchWanPolicy,
+    BenchZImagePolicy,
+    bench_flux2_policy,
+    tiny_spec,
+)
 from torch import Tensor, nn
 
 from lit_flowgrpo import (
@@ -109,6 +116,10 @@ SIZES: dict[str, dict[str, Any]] = {
     "flux2_tiny": dict(tiny_spec("flux2_klein4b"), resolution=32),
     "flux2_dev_tiny": dict(tiny_spec("flux2_dev"), resolution=32),
     "zimage_tiny": dict(tiny_spec("zimage_turbo"), resolution=32),
+    # HunyuanVideo 1.5 T2V at its smallest published size (480 x 848 px, 33 frames), and its tiny
+    # pipeline's configs at 32 px and 5 frames for a CPU check (sp 2 splits either)
+    "hunyuanvideo15_480p": dict(SPECS["hunyuanvideo15_480p"], resolution=480, width=848, frames=33),
+    "hunyuanvideo15_tiny": dict(tiny_spec("hunyuanvideo15_480p"), resolution=32, frames=5),
 }
 
 # What the family's recipe samples and trains with where it differs from the script's defaults
@@ -131,7 +142,15 @@ RECIPES: dict[str, dict[str, Any]] = {
 }
 # FLUX.1-dev: guidance is an input embedding; Wan: the Wan recipes' 4.5; FLUX.2 klein's CFG 4.0 (dev
 # ignores it: an input embedding); Z-Image-Turbo samples without CFG
-DEFAULT_GUIDANCE = {"sd3": 4.5, "flux": 1.0, "qwenimage": 4.0, "wan": 4.5, "flux2": 4.0, "zimage": 1.0}
+DEFAULT_GUIDANCE = {
+    "sd3": 4.5,
+    "flux": 1.0,
+    "qwenimage": 4.0,
+    "wan": 4.5,
+    "flux2": 4.0,
+    "zimage": 1.0,
+    "hunyuanvideo15": 6.0,  # the 480p checkpoint's guider (configs/hunyuanvideo15_480p_flowgrpo.yaml)
+}
 
 
 def recipe_of(size: str) -> dict[str, Any]:
@@ -311,6 +330,13 @@ def random_zimage_policy(size: str) -> BenchZImagePolicy:
     return BenchZImagePolicy(SIZES[size], device, "bfloat16" if cuda else "float32")
 
 
+def random_hunyuanvideo15_policy(size: str) -> BenchHunyuanVideo15Policy:
+    """benchmarks/throughput.py's HunyuanVideo 1.5 on random weights, on the rank's GPU."""
+    cuda = torch.cuda.is_available()
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
+    return BenchHunyuanVideo15Policy(SIZES[size], device, "bfloat16" if cuda else "float32")
+
+
 POLICIES = {
     "sd3": RandomSD3Policy,
     "flux": RandomFluxPolicy,
@@ -318,6 +344,7 @@ POLICIES = {
     "wan": random_wan_policy,
     "flux2": random_flux2_policy,
     "zimage": random_zimage_policy,
+    "hunyuanvideo15": random_hunyuanvideo15_policy,
 }
 
 
@@ -957,7 +984,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--size", choices=sorted(SIZES), default="sd35m")
     p.add_argument("--resolution", type=int, default=None, help="image side in pixels (default: the size's)")
     p.add_argument("--per_gpu", type=int, default=16, help="images per GPU per rollout")
-    p.add_argument("--frames", type=int, default=None, help="frames per video (Wan; default: the size's)")
+    p.add_argument(
+        "--frames",
+        type=int,
+        default=None,
+        help="frames per video (Wan, HunyuanVideo 1.5; default: the size's)",
+    )
     p.add_argument(
         "--num_steps",
         type=int,
@@ -975,7 +1007,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--sequence_parallel",
         type=int,
         default=1,
-        help="PerformanceSettings.sequence_parallel: ranks that split each sample's tokens (Wan)",
+        help="PerformanceSettings.sequence_parallel: ranks that split each sample's tokens (Wan, HunyuanVideo 1.5)",
     )
     p.add_argument("--global_ranks", type=int, default=2, help="ranks the global batch is sized for")
     p.add_argument("--micro_batch", type=int, default=8)

@@ -561,6 +561,7 @@ class BenchHunyuanVideo15Policy(_RandomWeights, HunyuanVideo15Policy):
             transformer=transformer, vae=vae, scheduler=scheduler, guider=guider, **none
         )
         self.pipe.set_progress_bar_config(disable=True)
+        self.enable_context_parallel(transformer)  # as HunyuanVideo15Policy.load gives the loaded one
         self._transformer, self.vae = transformer, vae
         self.text_encoder = self.text_encoder_2 = None
 
