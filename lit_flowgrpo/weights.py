@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lit_flowgrpo.copies import Copies, OldPolicy, Reference, is_sharded
+from lit_flowgrpo.copies import Copies, OldPolicy, Reference, copy_into, is_sharded, trainable_of
 from lit_flowgrpo.errors import MODEL, SettingsError
 from lit_flowgrpo.export import destination_problems, write_folder
 from lit_flowgrpo.kl import ReferenceSettings
@@ -76,15 +76,32 @@ class WeightsSettings:
             weights, computing in the compute dtype under autocast) or ``model`` (a full fine-tune
             trains the policy's dtype, bf16, in place, and loses updates smaller than its rounding;
             saves 2 bytes per parameter and 4 of AdamW's). A LoRA adapter is always float32.
+        init_from: start the trained weights from a previous run's export (the folder `lit-flowgrpo
+            export` writes): with ``lora``, its LoRA adapter (``pytorch_lora_weights.safetensors``, the
+            same rank and target modules) becomes this run's adapter; with ``lora: null``, its transformer
+            folder (``config.json`` and safetensors) becomes the weights that are fine-tuned. Read when
+            the weights are attached, before the KL reference and the old policy are made. SFT, then RL
+            from what SFT learnt. ``None``: the policy's pretrained weights.
+        init_reference: the KL reference (and Diffusion-DPO's) of a run started ``init_from``: ``init``
+            (the default) the weights it starts from, so RL is held to the SFT model; ``base`` the
+            policy's pretrained weights, as flow_grpo's GRPO started from an SFT adapter computes its
+            reference (``PeftModel.from_pretrained`` then ``disable_adapter``). With LoRA, ``init`` keeps
+            one stored copy of the adapter (saved in checkpoints) and ``base`` costs nothing; for a full
+            fine-tune either is the frozen copy ``kl.reference.copy`` makes.
     """
 
     lora: LoraSettings | None = field(default_factory=LoraSettings)
     master_dtype: Literal["float32", "model"] = "float32"
+    init_from: str | None = None
+    init_reference: Literal["init", "base"] = "init"
 
     def problems(self, networks: int = 1) -> list[str]:
         """Every problem with these settings; ``networks``: the trainable networks the policy declares
         before loading (Wan 2.2 A14B: 2)."""
         p = [] if self.lora is None else self.lora.problems()
+        p += init_from_problems(self.init_from, self.lora is not None)
+        if self.init_reference not in ("init", "base"):
+            p.append(f"{_FLAG}.init_reference ({self.init_reference!r}) must be init or base")
         if self.lora is None and networks > 1:
             p.append(_FULL_FINE_TUNE_OF_SEVERAL.format(networks=networks))
         if self.master_dtype not in ("float32", "model"):
@@ -143,8 +160,22 @@ class TrainableWeights:
         self.peft_config: Any = None
         trains_lora = self.lora is not None
         self.copies = Copies(
-            Reference(self.reference_settings, trains_lora),
+            # A LoRA run held to the adapter it starts from keeps that adapter (ReferenceAtInit); a moving
+            # reference starts there anyway, and a full fine-tune's copy is taken after init_from is read.
+            (ReferenceAtInit if self._held_to_init_adapter else Reference)(
+                self.reference_settings, trains_lora
+            ),
             None if old_policy is None else OldPolicy(trains_lora, old_policy),
+        )
+
+    @property
+    def _held_to_init_adapter(self) -> bool:
+        s = self.settings
+        return (
+            s.lora is not None
+            and s.init_from is not None
+            and s.init_reference == "init"
+            and self.reference_settings.mode == "initial"
         )
 
     @property
@@ -167,8 +198,13 @@ class TrainableWeights:
         self.model_dtype = _most_common_dtype(transformer)
         if self.lora is None:
             transformer.requires_grad_(True)
-            # The copies are taken before the cast: they keep the policy's dtype.
-            self._bind_copies(policy)
+            # The copies are taken before the cast: they keep the policy's dtype. A reference of the
+            # base is taken before the weights init_from names are read, every other copy after.
+            base_reference = self.settings.init_from is not None and self.settings.init_reference == "base"
+            if base_reference:
+                self.copies.kl_reference.bind(policy, self.master_dtype, self.reference_settings.copy)
+            self._load_init(policy)
+            self._bind_copies(policy, skip_reference=base_reference)
             if cast and self.master_dtype is not None:
                 from diffusers.training_utils import cast_training_params
 
@@ -183,6 +219,9 @@ class TrainableWeights:
                     "lost; float32 (the default) keeps master weights"
                 )
             return
+        problems = self.init_problems(policy)
+        if problems:
+            raise SettingsError("; ".join(problems))
         config = self._peft_config(policy)
         from diffusers.training_utils import cast_training_params
 
@@ -208,12 +247,87 @@ class TrainableWeights:
                     f"transformer{'' if i == 0 else f' (network {i})'}"
                 )
         self.peft_config = config
+        self._load_init(policy)
         self._bind_copies(policy)
 
-    def _bind_copies(self, policy: FlowPolicy) -> None:
+    def _bind_copies(self, policy: FlowPolicy, skip_reference: bool = False) -> None:
         keep = {self.copies.kl_reference: self.reference_settings.copy, self.copies.old_policy: True}
         for part in self.copies.parts:
-            part.bind(policy, self.master_dtype, keep_network=keep[part])
+            if not (skip_reference and part is self.copies.kl_reference):
+                part.bind(policy, self.master_dtype, keep_network=keep[part])
+
+    @torch.no_grad()
+    def _load_init(self, policy: FlowPolicy) -> None:
+        """Copy the weights ``init_from`` names into the trained ones, bit for bit (nothing when unset):
+        each network's adapter from its folder (the first network's from the folder itself, each further
+        one from the policy's ``lora_subfolders``), or the transformer's parameters from a transformer
+        folder; refused, naming the flag, when a tensor is missing, extra or of another shape."""
+        folder = self.settings.init_from
+        if folder is None:
+            return
+        flag = f"{_FLAG}.init_from ({folder})"
+        if self.lora is None:
+            transformer = policy.transformer
+            config = _read_json(Path(folder) / "config.json")
+            name = config.get("_class_name")
+            if name != type(transformer).__name__:
+                raise SettingsError(
+                    f"{flag} holds a {name}, but this policy's transformer is a {type(transformer).__name__}: "
+                    "give the export of a run of the same family"
+                )
+            state = _read_tensors(sorted(Path(folder).glob("*.safetensors")))
+            targets = dict(transformer.named_parameters())
+            # save_pretrained writes the persistent buffers too: they are read back where this run has them
+            targets.update({n: b for n, b in transformer.named_buffers() if n in state})
+            _copy_matching(targets, state, flag, "transformer")
+            return
+        from peft.utils import get_peft_model_state_dict
+
+        folders = ["", *policy.lora_subfolders][: len(policy.trainable_networks)]
+        for sub, network in zip(folders, policy.trainable_networks, strict=True):
+            file = Path(folder) / sub / LORA_WEIGHTS_FILE
+            if not file.is_file():
+                raise SettingsError(
+                    f"{flag} has no {sub + '/' if sub else ''}{LORA_WEIGHTS_FILE}: {_INIT_FIX}"
+                )
+            # diffusers' save_lora_weights prefixes each key with the component ("transformer."); the
+            # adapter's own tensors are named as peft's get_peft_model_state_dict names them.
+            saved = {
+                k.split(".", 1)[1] if k.startswith(("transformer.", "transformer_2.")) else k: v
+                for k, v in _read_tensors([file]).items()
+            }
+            names = get_peft_model_state_dict(network)
+            params = dict(network.named_parameters())
+            # peft names a tensor without its adapter name; the parameter carries it (".default").
+            targets = {
+                k: params[k.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")]
+                for k in names
+            }
+            _copy_matching(targets, saved, flag, "LoRA adapter")
+
+    def init_problems(self, policy: FlowPolicy) -> list[str]:
+        """An adapter ``init_from`` names against this run's LoRA settings as the policy resolves them
+        (rank, alpha, target modules; read from the export's metadata, before its tensors)."""
+        folder, lora = self.settings.init_from, self.lora
+        if folder is None or lora is None:
+            return []
+        meta = _lora_metadata(Path(folder) / LORA_WEIGHTS_FILE)
+        if not meta:
+            return []
+        want = self._peft_config(policy)
+        out = []
+        for key, ours in (("r", want.r), ("lora_alpha", want.lora_alpha)):
+            if key in meta and float(meta[key]) != float(ours):
+                out.append(f"{key} {meta[key]} (this run: {ours})")
+        theirs = meta.get("target_modules")
+        if theirs is not None and sorted(theirs) != sorted(want.target_modules):
+            out.append(f"target_modules {sorted(theirs)} (this run: {sorted(want.target_modules)})")
+        if not out:
+            return []
+        return [
+            f"{_FLAG}.init_from ({folder}) is an adapter of {', '.join(out)}: set {_FLAG}.lora.rank, alpha and "
+            "target_modules to the export's (its run's config), so that its tensors fit this run's adapter"
+        ]
 
     def _peft_config(self, policy: FlowPolicy) -> Any:
         from peft import LoraConfig
@@ -439,3 +553,122 @@ def _most_common_dtype(module: nn.Module) -> torch.dtype:
         if p.is_floating_point():
             counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
     return max(counts, key=counts.__getitem__) if counts else torch.float32
+
+
+_INIT_FIX = (
+    "give the folder `lit-flowgrpo export` wrote for the run to start from (a LoRA run's adapter with "
+    f"{_FLAG}.lora set, a full fine-tune's transformer folder with {_FLAG}.lora=null)"
+)
+
+
+def init_from_problems(folder: str | None, lora: bool) -> list[str]:
+    """What is wrong with ``init_from`` for a LoRA run (``lora``) or a full fine-tune, from the folder's
+    files alone (no tensor is read)."""
+    if folder is None:
+        return []
+    flag = f"{_FLAG}.init_from ({folder})"
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        return [f"{flag} is not a folder: {_INIT_FIX}"]
+    adapter = (path / LORA_WEIGHTS_FILE).is_file()
+    transformer = (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    if lora and not adapter:
+        what = "a transformer (a full fine-tune's export)" if transformer else "no LoRA adapter"
+        return [
+            f"{flag} holds {what}, not {LORA_WEIGHTS_FILE}: set {_FLAG}.lora=null to fine-tune that transformer "
+            f"wholly, or {_INIT_FIX}"
+        ]
+    if not lora and not transformer:
+        what = "a LoRA adapter" if adapter else "no config.json and safetensors weights"
+        return [
+            f"{flag} holds {what}, not a transformer folder: set {_FLAG}.lora to continue training the adapter, "
+            f"or {_INIT_FIX}"
+        ]
+    return []
+
+
+class ReferenceAtInit(Reference):
+    """The KL reference of a LoRA run started from an adapter (``init_from`` with ``init_reference: init``):
+    the adapter as loaded, as a stored copy that never moves, instead of the network with its adapter
+    switched off (the base). The loaded tensors are kept on the host when the copies are bound and fill
+    the stored copy when it is first made (laid out as the trained tensors then are: FSDP2's shards), so
+    it holds them whatever the updates did before its first use; it is saved in checkpoints, so a
+    resumed run holds it too."""
+
+    def __init__(self, settings: ReferenceSettings, lora: bool) -> None:
+        super().__init__(settings, lora)
+        self._loaded: dict[str, Tensor] | None = None
+
+    @property
+    def moves(self) -> bool:
+        return True  # a stored copy, saved and restored; after_update moves only ema / refreshed ones
+
+    def bind(self, policy: Any, master_dtype: torch.dtype | None, keep_network: bool) -> None:
+        super().bind(policy, master_dtype, keep_network)
+        self._loaded = {n: p.detach().to("cpu", copy=True) for n, p in trainable_of(policy)}
+
+    def adapter(self) -> dict[str, Tensor]:
+        stored = super().adapter()
+        if self._loaded is not None:
+            copy_into(stored, self._loaded, "KL reference (the adapter init_from loaded)")
+            self._loaded = None
+        return stored
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _read_tensors(files: list[Path]) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, Tensor] = {}
+    for file in files:
+        out.update(load_file(str(file)))
+    return out
+
+
+def _lora_metadata(file: Path) -> dict[str, Any]:
+    """The adapter's settings diffusers' ``save_lora_weights`` writes in the safetensors header
+    (``lora_adapter_metadata``), empty where it wrote none."""
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        raw = (f.metadata() or {}).get("lora_adapter_metadata")
+    if not raw:
+        return {}
+    meta = json.loads(raw)
+    # one entry per component ("transformer.r": ...) or the config itself
+    return {
+        k.split(".", 1)[1] if k.startswith(("transformer.", "transformer_2.")) else k: v
+        for k, v in meta.items()
+    }
+
+
+def _copy_matching(params: dict[str, Tensor], saved: dict[str, Tensor], flag: str, what: str) -> None:
+    """Copy ``saved`` into ``params`` by name (cast to each parameter's dtype), refusing any difference."""
+    missing, extra = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
+    shapes = [
+        (n, tuple(saved[n].shape), tuple(p.shape))
+        for n, p in params.items()
+        if n in saved and saved[n].shape != p.shape
+    ]
+    if missing or extra or shapes:
+        detail = (
+            f"lacks {len(missing)} tensors of this run's {what} (e.g. {missing[:2]})"
+            if missing
+            else f"has {len(extra)} tensors this run's {what} lacks (e.g. {extra[:2]})"
+            if extra
+            else f"has tensors of other shapes (e.g. {shapes[0][0]}: export {list(shapes[0][1])}, this run {list(shapes[0][2])})"
+        )
+        raise SettingsError(
+            f"{flag} {detail}: it was exported by a run of another policy or other LoRA settings; start from "
+            "an export of this family with this run's weights settings"
+        )
+    for name, param in params.items():
+        param.copy_(saved[name].to(param.dtype))
