@@ -79,7 +79,9 @@ def test_bad_settings_are_refused_before_weights_load(
         trainer = make_trainer(tmp_path / "run", max_steps=1)
         trainer.fit(module, datamodule=data_module(index, **{"pairs": True, **data_kw}))
     assert fragment in str(err.value)
-    assert "module" not in locals() or not module._configured  # no weight was read
+    # No weight was read: refused in the constructor (no module), or before configure_model and the
+    # policy's from_pretrained (its pipeline is still None).
+    assert "module" not in locals() or (not module._configured and module.policy.pipe is None)
 
 
 def test_a_dpo_visit_is_the_loss_of_the_pure_function(tiny_sd3_path, tmp_path):
@@ -125,11 +127,14 @@ EMA = {"reference": ReferenceSettings(mode="ema", ema_decay=0.5), "reference_kl"
 )
 def test_resume_is_exact(tiny_sd3_path, tmp_path, objective, pairs, module_kw):
     index = write_images(tmp_path / "data", 8, size=SIZE, pairs=pairs)
-    straight, _ = _fit(tiny_sd3_path, index, pairs, objective, tmp_path / "a", 4, module_kw)
+    straight, straight_trainer = _fit(tiny_sd3_path, index, pairs, objective, tmp_path / "a", 4, module_kw)
     _, trainer = _fit(tiny_sd3_path, index, pairs, objective, tmp_path / "b", 2, module_kw)
     ckpt = tmp_path / "half.ckpt"
     trainer.save_checkpoint(ckpt)
-    resumed, _ = _fit(tiny_sd3_path, index, pairs, objective, tmp_path / "c", 4, module_kw, ckpt_path=ckpt)
+    resumed, resumed_trainer = _fit(
+        tiny_sd3_path, index, pairs, objective, tmp_path / "c", 4, module_kw, ckpt_path=ckpt
+    )
+    _assert_same_optimizer_state(straight_trainer, resumed_trainer)
     if module_kw:  # the EMA reference moved, and resumed to the same bits
         ref_a, ref_b = straight.copies.kl_reference.tensors(), resumed.copies.kl_reference.tensors()
         assert [k for k in ref_a if not torch.equal(ref_a[k], ref_b[k])] == []
@@ -137,6 +142,16 @@ def test_resume_is_exact(tiny_sd3_path, tmp_path, objective, pairs, module_kw):
     a, b = lora_state(straight), lora_state(resumed)
     assert a and [k for k in a if not torch.equal(a[k], b[k])] == []
     assert any(a[k].abs().max() > 0 for k in a if "lora_B" in k)  # it trained: LoRA's B starts at 0
+
+
+def _assert_same_optimizer_state(a: L.Trainer, b: L.Trainer) -> None:
+    """The optimizers' states bit for bit (Adam's step counts and both moments of every parameter)."""
+    sa, sb = a.optimizers[0].state_dict()["state"], b.optimizers[0].state_dict()["state"]
+    assert sa and sa.keys() == sb.keys()
+    for i in sa:
+        assert sa[i].keys() == sb[i].keys()
+        assert all(torch.equal(sa[i][k], sb[i][k]) for k in sa[i]), i
+    assert a.global_step == b.global_step
 
 
 @pytest.mark.slow
@@ -155,16 +170,24 @@ def test_online_dpo_resumes_exactly_and_pairs_each_group(tiny_sd3_path, prompt_f
     _, half = run("b", 1)
     ckpt = tmp_path / "half.ckpt"
     half.save_checkpoint(ckpt)
-    resumed, _ = run("c", 2, ckpt_path=ckpt)
+    resumed, resumed_trainer = run("c", 2, ckpt_path=ckpt)
     a, b = lora_state(straight), lora_state(resumed)
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    _assert_same_optimizer_state(trainer, resumed_trainer)
 
 
 class _Recorder(L.Callback):
     def __init__(self, out: str) -> None:
         self.out = out
+        self.sample_ids: list[tuple[int, int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.sample_ids += [(batch_idx, i) for i in batch.sample_ids.tolist()]  # ids count within a step
 
     def on_train_end(self, trainer, pl_module) -> None:
+        # Every rank: which records it trained, and how many ranks there were.
+        ids = {"world_size": trainer.world_size, "sample_ids": self.sample_ids}
+        torch.save(ids, Path(self.out) / f"ids_{trainer.global_rank}.pt")
         if trainer.global_rank == 0:
             state = {k: v.detach().cpu().clone() for k, v in pl_module.named_parameters() if v.requires_grad}
             torch.save(state, Path(self.out) / "weights.pt")
@@ -204,6 +227,13 @@ def test_ddp_two_processes_equal_single_process(tiny_sd3_path, tmp_path):
     index = write_images(tmp_path / "data", 8, size=SIZE, pairs=True)
     _ddp_run(tiny_sd3_path, index, tmp_path / "one", 1)
     _ddp_run(tiny_sd3_path, index, tmp_path / "two", 2)
+    # Two ranks ran, each trained half of the records, and together the one process's.
+    one = torch.load(tmp_path / "one" / "ids_0.pt")
+    two = [torch.load(tmp_path / "two" / f"ids_{r}.pt") for r in (0, 1)]
+    assert one["world_size"] == 1 and [t["world_size"] for t in two] == [2, 2]
+    r0, r1 = (t["sample_ids"] for t in two)
+    assert len(r0) == len(r1) == len(one["sample_ids"]) // 2 and not set(r0) & set(r1)
+    assert sorted(r0 + r1) == sorted(one["sample_ids"])
     a, b = torch.load(tmp_path / "one" / "weights.pt"), torch.load(tmp_path / "two" / "weights.pt")
     init = {k: torch.zeros_like(v) if "lora_B" in k else v for k, v in a.items()}  # B starts at 0
     moved = max(float((a[k] - init[k]).abs().max()) for k in a if "lora_B" in k)
