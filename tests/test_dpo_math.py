@@ -153,6 +153,14 @@ def test_dpo_diagnostics_are_exact_sufficient_statistics():
     assert float(want["pairs"]) == 16
 
 
+def test_a_step_without_pairs_logs_nan_not_zero():
+    # Online pairs from groups that all tie: no pair on any rank. A 0 accuracy or loss would read as
+    # measured; the count says 0 and every mean is NaN.
+    out = DPODiagnostics().compute()
+    assert float(out["pairs"]) == 0 and all(math.isnan(float(v)) for k, v in out.items() if k != "pairs")
+    assert math.isnan(float(SFTDiagnostics().compute()["sft_loss"]))
+
+
 def test_sft_diagnostics_split_by_sigma_band():
     m = SFTDiagnostics(buckets=4)
     m.update(loss=torch.tensor([1.0, 2.0, 4.0, 8.0]), sigma=torch.tensor([0.0, 0.3, 0.3, 1.0]))

@@ -4,6 +4,7 @@ from sums and counts, so 1 rank and N ranks agree exactly (up to fp64 summation 
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -54,7 +55,7 @@ class SFTDiagnostics(DictMetric):
         self.bucket_count = self.bucket_count.index_add(0, band, torch.ones_like(loss))
 
     def compute(self) -> dict[str, Tensor]:
-        n = self.count.clamp_min(1)
+        n = _count_or_nan(self.count)  # no sample: NaN, not a 0 that reads as a measured loss
         out = {"sft_loss": self.sum_loss / n, "sft_sigma_mean": self.sum_sigma / n}
         for b in range(self.buckets):
             if self.bucket_count[b] > 0:
@@ -72,7 +73,9 @@ class DPODiagnostics(DictMetric):
     the start, where model = reference), ``actor/dpo_reward_margin`` (mean margin −β/2·((e_w − e_l) −
     (e_w^ref − e_l^ref))), ``actor/dpo_loss``, ``actor/dpo_model_diff`` and ``actor/dpo_ref_diff``,
     ``actor/dpo_chosen_error`` and ``actor/dpo_rejected_error`` (the trained model's flow-matching errors),
-    and ``actor/dpo_pairs`` (the pairs counted).
+    and ``actor/dpo_pairs`` (the pairs counted). A step without a pair on any rank (online pairs from
+    groups whose rewards all tie) logs ``dpo_pairs`` 0 and NaN for the rest: a 0 there would read as
+    measured.
 
     >>> m = DPODiagnostics()
     >>> one = torch.ones(2)
@@ -112,9 +115,14 @@ class DPODiagnostics(DictMetric):
         self.count = self.count + n
 
     def compute(self) -> dict[str, Tensor]:
-        n = self.count.clamp_min(1)
+        n = _count_or_nan(self.count)
         out = {name: getattr(self, f"sum_{name}") / n for name in self.STATS}
         out["reward_margin"] = out.pop("margin")
         out["reward_accuracy"] = self.correct / n
         out["pairs"] = self.count.clone()
         return out
+
+
+def _count_or_nan(count: Tensor) -> Tensor:
+    """``count``, or NaN where it is 0: a mean over nothing is NaN (every rank computes it alike)."""
+    return torch.where(count > 0, count, torch.full_like(count, math.nan))
