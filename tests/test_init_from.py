@@ -168,3 +168,61 @@ def test_sft_then_flow_grpo_from_its_export(tiny_sd3_path, prompt_file, tmp_path
     assert all(torch.equal(v, saved[n.replace(".default.", ".")]) for n, v in reference.items())
     moved = _adapter(grpo.policy)
     assert any(not torch.equal(moved[n], first.adapter[n]) for n in moved)
+
+
+@pytest.mark.slow
+def test_the_shapes_world_recipe_pair_through_the_cli(tmp_path, monkeypatch):
+    """configs/quickstart_sft.yaml one step, `lit-flowgrpo export`, then configs/quickstart_sft_then_grpo.yaml
+    reads that export (its relative init_from, from the folder the commands run in) and takes a rollout."""
+    from lit_flowgrpo.cli import FlowGRPOCLI
+    from lit_flowgrpo.toy.make_image_data import write_image_data
+
+    monkeypatch.chdir(tmp_path)
+    write_image_data("runs/shapes_data", count=8, seed=0)
+    short = ["--trainer.max_steps=1", "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0"]
+    short += ["--trainer.logger=false", "--model.init_args.sampler.num_steps=4"]
+    short += [
+        "--model.init_args.sampler.sde_window_range=[0,3]",
+        "--model.init_args.sampler.sde_window_size=2",
+    ]
+    FlowGRPOCLI(args=["fit", "--config", "quickstart_sft", *short[:4], "--data.init_args.prompts_per_step=4"])
+    export = "runs/quickstart_sft_export"
+    FlowGRPOCLI(
+        args=[
+            "export",
+            "--config",
+            "quickstart_sft",
+            "--ckpt_path",
+            "runs/quickstart_sft/checkpoints/last.ckpt",
+            "--out",
+            export,
+        ]
+    )
+    saved = load_file(f"{export}/diffusion_pytorch_model.safetensors")
+    cli = FlowGRPOCLI(
+        args=[
+            *("fit", "--config", "quickstart_sft_then_grpo", *short),
+            *(
+                "--data.init_args.prompts_per_step=2",
+                "--data.init_args.group_size=4",
+                "--data.init_args.val=null",
+            ),
+            "--trainer.callbacks+=test_init_from.FirstUNet",
+        ]
+    )
+    (first,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "FirstUNet"]
+    assert cli.trainer.global_step == 1
+    assert first.unet and all(torch.equal(v, saved[n]) for n, v in first.unet.items())
+    from lit_flowgrpo.toy import ToyPolicy
+
+    base = ToyPolicy()
+    base.load()
+    assert any(not torch.equal(p, saved[n]) for n, p in base.unet.named_parameters())  # SFT moved it
+
+
+class FirstUNet(L.Callback):
+    """The trained U-Net as the first rollout samples with it."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            self.unet = {n: p.detach().clone() for n, p in pl_module.policy.transformer.named_parameters()}
