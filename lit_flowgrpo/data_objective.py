@@ -156,6 +156,12 @@ class SFT(FlowMatchingOnImages):
     sigma_buckets: int = 4
     precondition_outputs: bool = False
 
+    def sampler_problems(self, sampler: Sampler, kl: KLSettings) -> list[str]:
+        p = super().sampler_problems(sampler, kl)
+        if kl.measure:
+            p.append(f"{flag('kl')}.measure must be false with SFT: it runs no reference to measure a KL to")
+        return p
+
     def visit(self, ctx: VisitContext, batch: Any, idx: Tensor, live: int, v: int) -> Visit:
         """Noise samples ``idx`` at this visit's σ and return the flow-matching loss of the first ``live``."""
         x0 = batch.latents[idx]  # (N, *latent) fp32
@@ -196,7 +202,9 @@ class DiffusionDPO(FlowMatchingOnImages):
 
     The reference is the KL reference of the weights (:class:`~lit_flowgrpo.copies.Reference`:
     ``kl.reference.mode`` initial, refreshed or ema; a full fine-tune needs ``kl.reference.copy``), used
-    here by the loss itself, with ``kl.coef`` left at 0. Diagnostics: implicit reward accuracy and
+    here by the loss itself, with ``kl.coef`` left at 0. ``kl.measure`` (which a moving reference needs)
+    logs the drift from it as ``actor/kl_loss``: mean((v_θ − v_ref)²) over both images of every pair, the
+    form of DiffusionNFT's regulariser, outside the loss. Diagnostics: implicit reward accuracy and
     margin (:class:`~lit_flowgrpo.metrics.DPODiagnostics`).
 
     Args:
@@ -256,8 +264,12 @@ class DiffusionDPO(FlowMatchingOnImages):
         )
         if self.sft_coef:
             loss = loss + self.sft_coef * err[:live].mean()
+        kl = zero
+        if ctx.kl.measure:  # the drift from the reference, in DiffusionNFT's form mean((v_θ − v_ref)²)
+            drift = ((v_theta.detach().float() - v_ref.float()) ** 2).mean(dim=tuple(range(1, x.ndim)))
+            kl = torch.cat([drift[:live], drift[n : n + live]]).mean()  # both images of the live pairs
         diagnostics = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
-        return Visit(loss, loss, zero, None, diagnostics)
+        return Visit(loss, loss, kl, None, diagnostics)
 
     def diagnostics(
         self, num_steps: int, settings: DiagnosticsSettings, process_group: Any = None

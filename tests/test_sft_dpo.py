@@ -66,8 +66,9 @@ def test_registered_with_their_sources_defaults():
         (SFT(), {}, {"kl_coef": 0.1}, "must be 0 or null with SFT"),
         (DiffusionDPO(beta=0.0), {"pairs": True}, {}, "beta (0.0) must be a finite number > 0"),
         (DiffusionDPO(), {"pairs": True}, {"lora": None}, "needs --model.init_args.kl.reference.copy=true"),
+        (SFT(), {}, {"reference_kl": True}, "kl.measure must be false with SFT"),
     ],
-    ids=["dpo_without_pairs", "image_size", "kl_coef", "beta", "full_without_copy"],
+    ids=["dpo_without_pairs", "image_size", "kl_coef", "beta", "full_without_copy", "sft_kl_measure"],
 )
 def test_bad_settings_are_refused_before_weights_load(
     tiny_sd3_path, tmp_path, objective, data_kw, module_kw, fragment
@@ -82,6 +83,21 @@ def test_bad_settings_are_refused_before_weights_load(
     # No weight was read: refused in the constructor (no module), or before configure_model and the
     # policy's from_pretrained (its pipeline is still None).
     assert "module" not in locals() or (not module._configured and module.policy.pipe is None)
+
+
+def test_dpo_with_kl_measure_logs_the_drift_from_its_reference(tiny_sd3_path, tmp_path):
+    index = write_images(tmp_path, 4, size=SIZE, pairs=True)
+
+    def kl_after(steps: int) -> float:
+        module = learner(tiny_sd3_path, DiffusionDPO(beta=50.0), reference_kl=True)
+        trainer = make_trainer(tmp_path / f"run{steps}", max_steps=steps, logger=False)
+        trainer.fit(module, datamodule=data_module(index, pairs=True))
+        return float(trainer.logged_metrics["actor/kl_loss"])
+
+    # The first step is taken at the reference (LoRA's B is 0): exactly 0. After one optimizer step the
+    # adapter has moved and the drift is positive (it was logged 0 whatever the drift).
+    assert kl_after(1) == 0.0
+    assert kl_after(2) > 0.0
 
 
 def test_a_dpo_visit_is_the_loss_of_the_pure_function(tiny_sd3_path, tmp_path):
