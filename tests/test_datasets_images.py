@@ -80,6 +80,9 @@ def test_two_ranks_deal_what_one_process_does_and_resume_exactly(tmp_path):
     (resumed,) = batches(dm, 0, 1, 1)
     assert resumed.step == 2 and torch.equal(resumed.images, one[2].images)
     assert resumed.prompts == one[2].prompts
+    # The rest of the batch too: the rejected images, the ids and the noise seeds drawn from them.
+    for field in ("rejected", "sample_ids", "group_ids", "seeds"):
+        assert torch.equal(getattr(resumed, field), getattr(one[2], field)), field
 
 
 @pytest.mark.parametrize(
