@@ -214,12 +214,26 @@ def test_a_family_without_encode_images_says_which_and_why():
         encode_images(NoEncoder(), torch.zeros(1, 3, 8, 8))
 
 
-def _learner(policy, objective, **kl):
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    from lit_flowgrpo.policies import WanPolicy
+    from lit_flowgrpo.tiny.wan import build_tiny_wan
+
+    p = WanPolicy(
+        build_tiny_wan(tmp_path_factory.mktemp("wan"), "2.1"), dtype="float32", max_sequence_length=16
+    )
+    p.load()
+    return p
+
+
+def _learner(policy, objective, frames: int = 1, **kl):
+    from lit_flowgrpo.rewards.video import PerFrame
+
     return FlowGRPOModule(
         policy=policy,
-        reward=brightness,
+        reward=PerFrame(brightness) if policy.modality == "video" else brightness,
         objective=objective,
-        sampler=Sampler(num_steps=2, guidance_scale=1.0, height=SIZE, width=SIZE),
+        sampler=Sampler(num_steps=2, guidance_scale=1.0, height=SIZE, width=SIZE, frames=frames),
         update=UpdateSettings(micro_batch_size=2, optimizer_steps_per_rollout=1),
         weights=WeightsSettings(lora=LoraSettings(rank=4, alpha=8)),
         kl=KLSettings(coef=0.0, **kl),
@@ -227,7 +241,7 @@ def _learner(policy, objective, **kl):
     )
 
 
-@pytest.mark.parametrize("family", ["flux", "qwen"])
+@pytest.mark.parametrize("family", ["flux", "qwen", "wan"])
 def test_sft_and_offline_dpo_take_a_step(family, request, tmp_path):
     policy = request.getfixturevalue(family)
     index = write_images(tmp_path / "data", 2, size=SIZE, pairs=True)
@@ -239,3 +253,17 @@ def test_sft_and_offline_dpo_take_a_step(family, request, tmp_path):
         logged = trainer.logged_metrics
         assert trainer.global_step == 1 and key in logged
         assert math.isfinite(float(logged["actor/loss"])) and float(logged["actor/grad_norm"]) > 0
+
+
+def test_a_video_family_sampling_clips_is_refused_before_weights_load(wan, tmp_path):
+    from lit_flowgrpo.errors import SettingsError
+
+    index = write_images(tmp_path / "data", 2, size=SIZE)
+    policy = type(wan)(wan.pretrained, dtype="float32", max_sequence_length=16)  # not loaded
+    module = _learner(policy, SFT(), frames=5)
+    dm = ImageDataModule(train=index, prompts_per_step=2, height=SIZE, width=SIZE, seed=0)
+    with pytest.raises(
+        SettingsError, match=r"sampler.frames \(5\) must be 1 with SFT: the data module's records"
+    ):
+        make_trainer(tmp_path / "run", max_steps=1, logger=False).fit(module, datamodule=dm)
+    assert policy.pipe is None  # no weight was read
