@@ -812,3 +812,109 @@ def test_flow_factory_recipe_matches_and_runs_one_rollout(
     assert math.isfinite(logged["actor/loss"]) and logged["reward/failure_rate"] == 0.0
     # bf16 weights: the update recomputes the rollout's log-probs within the module's bf16 tolerance.
     assert logged["actor/on_policy_ratio_err"] <= 1e-3
+
+
+# --------------------------------------------------------------------------------------------------
+# DanceGRPO's HunyuanVideo run (scripts/finetune/finetune_hunyuan_grpo.sh, fastvideo/train_grpo_hunyuan.py)
+# on HunyuanVideo 1.5: a full fine-tune with VideoAlign's VQ, its batch arithmetic, one rollout on the tiny
+# pipeline
+# --------------------------------------------------------------------------------------------------
+
+#: 4 nodes x 8 GPUs, 1 prompt per GPU x 24 generations; bestofn 8 of them trained, an optimizer step every
+#: gradient_accumulation_steps 4: 2 optimizer steps per rollout; vq_coef 1.0, mq_coef 0.0.
+DANCEGRPO_VIDEO: dict[str, dict[str, Any]] = {
+    "hunyuanvideo15_videoalign_dancegrpo": {
+        "gpus": 4 * 8,
+        "prompts_per_step": 4 * 8 * 1,
+        "group_size": 24,
+        "micro_batch_size": 1,
+        "optimizer_steps_per_rollout": 8 // 4,
+        "num_steps": 16,
+        "timestep_fraction": 0.6,
+        "noise_level": 0.25,
+        "sde_type": "dance",
+        "clip_range": 1e-4,
+        "adv_clip_max": 5.0,
+        "lr": 1e-5,
+        "weight_decay": 1e-4,
+        "max_grad_norm": 1.0,
+        "height": 480,
+        "width": 480,
+        "frames": 53,
+        "guidance_scale": 6.0,  # HunyuanVideo 1.5's guider, in place of HunyuanVideo 1's embedded 6.018
+        "reward_weights": {"video_align/VQ": 1.0, "video_align/MQ": 0.0, "video_align/TA": 0.0},
+        "source_fps": 8.0,
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(DANCEGRPO_VIDEO))
+def test_dancegrpo_video_recipe_matches_and_runs_one_rollout(
+    name: str, request: pytest.FixtureRequest, prompt_file: str, tmp_path: Path
+) -> None:
+    from lit_flowgrpo.rewards import MultiReward
+
+    want = DANCEGRPO_VIDEO[name]
+    raw = _load(CONFIG_DIR / f"{name}.yaml")
+    trainer, model, data = raw["trainer"], raw["model"]["init_args"], raw["data"]["init_args"]
+    sampler, update = model["sampler"], model["update"]
+    assert trainer["devices"] * trainer["num_nodes"] == want["gpus"] and trainer["strategy"] == "fsdp2"
+    assert (data["prompts_per_step"], data["group_size"]) == (want["prompts_per_step"], want["group_size"])
+    assert data["same_initial_noise"] is True  # --use_same_noise
+    assert (update["micro_batch_size"], update["optimizer_steps_per_rollout"]) == (
+        want["micro_batch_size"],
+        want["optimizer_steps_per_rollout"],
+    )
+    for key in ("num_steps", "timestep_fraction", "noise_level", "sde_type", "height", "width", "frames"):
+        assert sampler[key] == want[key], key
+    assert sampler["frames"] % 4 == 1  # the 1.5 VAE's 4k + 1
+    assert sampler["guidance_scale"] == want["guidance_scale"] and update["train_cfg"] is True
+    objective = model["objective"]["init_args"]
+    assert (objective["clip_range"], objective["adv_clip_max"]) == (want["clip_range"], want["adv_clip_max"])
+    assert model["kl"]["coef"] == 0.0 and update["max_grad_norm"] == want["max_grad_norm"]
+    optimizer = model["optimizer"]["init_args"]
+    assert (optimizer["lr"], optimizer["weight_decay"]) == (want["lr"], want["weight_decay"])
+    assert model["weights"] == {"lora": None, "master_dtype": "float32"}  # full, fp32 masters
+    reward = model["reward"]["init_args"]
+    assert reward["weights"] == want["reward_weights"]
+    assert reward["config"]["video_align"]["source_fps"] == want["source_fps"]
+    callbacks = {c["class_path"].rsplit(".", 1)[-1] for c in trainer["callbacks"]}
+    assert "TrainableEMA" not in callbacks  # the script parses --ema_decay but applies no EMA
+
+    # The recipe's weights train on VQ alone (DanceGRPO's vq_coef·A_VQ + 0·A_MQ), MQ and TA logged.
+    scores = {
+        "VQ": torch.tensor([0.5, -1.25]),
+        "MQ": torch.tensor([3.0, 7.0]),
+        "TA": torch.tensor([2.0, -4.0]),
+    }
+
+    class Qualities:  # VideoAlign's output layout (video only), without its 2B model
+        modalities = frozenset({"video"})
+        primary = "Overall"
+
+        def __call__(self, videos: torch.Tensor, prompts: list[str], metadata: list[dict]) -> dict:
+            return {**scores, "Overall": scores["VQ"] + scores["MQ"] + scores["TA"]}
+
+    combined = MultiReward(weights=reward["weights"], rewards={"video_align": Qualities()})
+    out = combined(torch.zeros(2, 5, 3, 8, 8), ["a", "b"], [{}, {}])
+    assert torch.equal(out.total, scores["VQ"])
+    logged = {f"video_align/{k}" for k in ("VQ", "MQ", "TA")}
+    assert logged <= set(out.components) and all(
+        torch.equal(out.components[f"video_align/{k}"], v) for k, v in scores.items()
+    )
+
+    fixture = FAMILY_FIXTURE[model["policy"]["class_path"]]
+    # The tiny run's 3 steps (0.6 x 3: 1 trained step), CFG 6.0 kept, the reward swapped for per-frame JPEG.
+    cfg = _tiny_run_config(raw, request.getfixturevalue(fixture), prompt_file, tmp_path)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cli = FlowGRPOCLI(args=["fit", "--config", str(path)])
+    assert cli.trainer.global_step == 2  # one rollout, the recipe's 2 optimizer steps
+    assert cli.model.sampler.sde_type == want["sde_type"] and cli.datamodule.same_initial_noise
+    # A full fine-tune: every transformer weight trained, in float32 masters; no adapter.
+    transformer = cli.model.policy.transformer
+    assert not any("lora_" in n for n, _ in cli.model.named_parameters())
+    assert all(p.requires_grad and p.dtype == torch.float32 for p in transformer.parameters())
+    logged = {k: float(v) for k, v in cli.trainer.logged_metrics.items()}
+    assert math.isfinite(logged["actor/loss"]) and logged["reward/failure_rate"] == 0.0
+    assert math.isfinite(logged["actor/grad_norm"]) and logged["actor/grad_norm"] > 0
