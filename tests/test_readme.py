@@ -29,6 +29,9 @@ PLACEHOLDERS = {
     "--config run.yaml": "--config configs/tiny_sd3.yaml",
 }
 SEED = re.compile(r"=S(?=\s|$)")  # a seed the reader picks: --seed_everything=S
+# The config a run saved (`lit-flowgrpo export --config runs/<recipe>/version_0/config.yaml`, after the
+# page's fit of configs/<recipe>.yaml): parsed here as that recipe, which the saved one repeats.
+SAVED_CONFIG = re.compile(r"runs/(\w+)/version_\d+/config\.yaml")
 SETUP = ("python3 -m venv", ". .venv/bin/activate", "pip install", "pytest")
 # Launchers that start `lit-flowgrpo` on every rank: the rest of the line is the CLI's.
 LAUNCHERS = ("torchrun", "srun")
@@ -99,6 +102,11 @@ def test_every_documented_command_parses(
         if words[0] == "mkdocs":  # the site's build: tests/test_docs.py runs it
             assert words[1:] == ["build", "--strict"] and (REPO / "mkdocs.yml").is_file(), command
             continue
+        saved = [SAVED_CONFIG.fullmatch(w) for w in words]
+        words = [
+            f"configs/{m.group(1)}.yaml" if m and (REPO / "configs" / f"{m.group(1)}.yaml").is_file() else w
+            for w, m in zip(words, saved, strict=True)
+        ]
         with pytest.raises(SystemExit) as stop:
             main([*_cli_words(words), "--print_config"])
         assert stop.value.code in (0, None), f"{command}\n{capsys.readouterr().err[-2000:]}"
