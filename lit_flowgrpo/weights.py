@@ -262,10 +262,10 @@ class TrainableWeights:
         each network's adapter from its folder (the first network's from the folder itself, each further
         one from the policy's ``lora_subfolders``), or the transformer's parameters from a transformer
         folder; refused, naming the flag, when a tensor is missing, extra or of another shape."""
-        folder = self.settings.init_from
-        if folder is None:
+        if self.settings.init_from is None:
             return
-        flag = f"{_FLAG}.init_from ({folder})"
+        flag = f"{_FLAG}.init_from ({self.settings.init_from})"
+        folder = os.path.expanduser(self.settings.init_from)
         if self.lora is None:
             transformer = policy.transformer
             config = _read_json(Path(folder) / "config.json")
@@ -311,7 +311,7 @@ class TrainableWeights:
         folder, lora = self.settings.init_from, self.lora
         if folder is None or lora is None:
             return []
-        meta = _lora_metadata(Path(folder) / LORA_WEIGHTS_FILE)
+        meta = _lora_metadata(Path(folder).expanduser() / LORA_WEIGHTS_FILE)
         if not meta:
             return []
         want = self._peft_config(policy)
