@@ -204,7 +204,7 @@ def trained_facts(module: Any) -> dict[str, Any]:
     if policy is not None:
         base: Any = {
             "policy": class_path(policy),
-            "pretrained": plain(getattr(policy, "pretrained", None)),
+            "pretrained": plain(policy.pretrained),
             "modality": plain(getattr(policy, "modality", None)),
         }
     else:

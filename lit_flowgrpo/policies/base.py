@@ -244,6 +244,9 @@ class FlowPolicy(nn.Module, ABC):
     Conventions (DESIGN.md): x_σ = (1−σ)·x0 + σ·ε, velocity v = ε − x0, σ runs from 1 to 0.
     """
 
+    #: The weights :meth:`load` reads: a hub id or a local folder (what a run card names as the base
+    #: model); ``None`` for a policy that names none.
+    pretrained: str | None = None
     #: peft ``target_modules`` used when the user does not name any.
     default_lora_targets: tuple[str, ...] = ()
     #: Classifier-free guidance in the rollout doubles the transformer batch for this family.
