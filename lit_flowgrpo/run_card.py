@@ -572,7 +572,12 @@ def _trust_lines(trust: Any) -> list[str]:
         )
         lines.append(_row(f"{key} (val-aux/{key})", text))
     rewards = trust.get("rewards")
-    if isinstance(rewards, Mapping) and isinstance(rewards.get("first"), Mapping):
+    if isinstance(rewards, Mapping) and "window" not in rewards and isinstance(rewards.get("first"), Mapping):
+        # A card of the earlier format: one rollout at each end, shown as what it is.
+        lines.append(
+            _row("rollout reward", "one rollout at each end (other prompts): not a trend, not shown")
+        )
+    elif isinstance(rewards, Mapping) and isinstance(rewards.get("first"), Mapping):
         first, last = rewards["first"], rewards["last"]
         text = f"{_window_text(first)} -> {_window_text(last)}"
         if set(first["at_rollouts"]) & set(last["at_rollouts"]):

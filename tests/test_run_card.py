@@ -169,6 +169,9 @@ def test_the_rollout_reward_is_a_window_mean_at_each_end_with_its_spread() -> No
     short._rewards.add(1, {"critic/rewards/mean": 2.0})
     page = model_card({"trust": {"rewards": short._rewards.facts()}}).text
     assert "2 (one rollout: no spread) over rollouts 1–1 (1)" in page and "share rollouts" in page
+    # A card of the earlier format (one rollout at each end) still renders, and shows no trend.
+    earlier = {"first": {"at_rollout": 1, "values": {}}, "last": {"at_rollout": 9, "values": {}}}
+    assert "not a trend, not shown" in model_card({"trust": {"rewards": earlier}}).text
 
 
 def test_the_module_adds_the_recorder_to_a_trainer_built_by_hand(
