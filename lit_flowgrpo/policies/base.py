@@ -88,6 +88,33 @@ def pretrained_dtype_kwargs(dtype: torch.dtype) -> dict[str, torch.dtype]:
     return {"torch_dtype": dtype}
 
 
+def load_pipeline(policy: FlowPolicy, dtype: torch.dtype | dict[str, torch.dtype], flag: str) -> Any:
+    """``policy.pipeline_class.from_pretrained(policy.pretrained)`` in ``dtype`` (one dtype, or diffusers'
+    ``{component: dtype}`` mapping with a ``"default"``), a failed read raised as a ``ValueError`` that
+    names ``flag``."""
+    (key,) = pretrained_dtype_kwargs(torch.float32)  # the keyword's name, which follows diffusers' version
+    try:
+        return policy.pipeline_class.from_pretrained(policy.pretrained, **{key: dtype})
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"{flag} ({policy.pretrained}): loading the {policy.pipeline_name} failed: {err}"
+        ) from err
+
+
+def causal_video_frame_problems(frames: int, flag: str, policy: str, vae: str, factor: int) -> list[str]:
+    """Problems with a frame count for a causal video VAE (``vae``, for the message) that encodes the first
+    frame alone and then every ``factor``: ``frames`` must be ``factor``·k + 1."""
+    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1:
+        return [f"{flag} ({frames!r}) must be a positive whole number of frames"]
+    if frames % factor != 1:
+        nearest = (frames // factor) * factor + 1
+        return [
+            f"{flag} ({frames}) must be 4k + 1 for {policy} ({vae} encodes the first frame "
+            f"alone and then every {factor}): use {nearest}, for example"
+        ]
+    return []
+
+
 def check_pretrained(pretrained: str, flag: str) -> list[str]:
     """Problems with a ``pretrained`` setting, checked before loading.
 

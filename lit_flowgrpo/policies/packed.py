@@ -32,7 +32,7 @@ from lit_flowgrpo.policies.base import (
     cat_embeds,
     check_family,
     check_pretrained,
-    pretrained_dtype_kwargs,
+    load_pipeline,
     resolve_dtype,
 )
 from lit_flowgrpo.sde import flux_sigmas
@@ -143,14 +143,7 @@ class PackedLatentPolicy(FlowPolicy):
         problem = self._family_problem(read_model_index(self.pretrained))
         if problem:
             raise ValueError(problem)
-        try:
-            pipe = self.pipeline_class.from_pretrained(
-                self.pretrained, **pretrained_dtype_kwargs(resolve_dtype(self.dtype_name))
-            )
-        except (OSError, ValueError) as err:
-            raise ValueError(
-                f"{PRETRAINED_FLAG} ({self.pretrained}): loading the {self.pipeline_name} failed: {err}"
-            ) from err
+        pipe = load_pipeline(self, resolve_dtype(self.dtype_name), PRETRAINED_FLAG)
         pipe.set_progress_bar_config(disable=True)
         # Registered as submodules so that ``.to(device)`` moves them; the pipeline holds the same
         # objects and keeps serving its encode / pack helpers. Everything starts frozen: the
@@ -254,6 +247,19 @@ class PackedLatentPolicy(FlowPolicy):
     def sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
         rows, cols = self._packed_grid(height, width)
         return scheduler_sigmas(self.pipe.scheduler.config, num_steps, rows * cols)
+
+
+def padded_prompts(rows: Sequence[Embeds], length: int) -> Embeds:
+    """Prompts of unpadded ``prompt_embeds`` (1, L, D) each, zero-padded to (B, ``length``, D) with their
+    ``prompt_embeds_mask`` (B, ``length``), 1 on real tokens (Qwen-Image's and Z-Image's conditioning)."""
+    first = rows[0]["prompt_embeds"]
+    embeds = first.new_zeros(len(rows), length, first.shape[-1])
+    mask = torch.zeros(len(rows), length, dtype=torch.long, device=first.device)
+    for i, row in enumerate(rows):
+        n = row["prompt_embeds"].shape[1]
+        embeds[i, :n] = row["prompt_embeds"][0]
+        mask[i, :n] = 1
+    return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
 
 def scheduler_sigmas(config: Any, num_steps: int, image_seq_len: int) -> Tensor:

@@ -42,9 +42,10 @@ from lit_flowgrpo.policies.base import (
     FlowPolicy,
     PromptCache,
     cat_embeds,
+    causal_video_frame_problems,
     check_family,
     check_pretrained,
-    pretrained_dtype_kwargs,
+    load_pipeline,
     resolve_dtype,
     vae_pixels,
 )
@@ -126,15 +127,9 @@ class WanPolicy(FlowPolicy):
         return out
 
     def frame_problems(self, frames: int, flag: str = FRAMES_FLAG) -> list[str]:
-        if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1:
-            return [f"{flag} ({frames!r}) must be a positive whole number of frames"]
-        if frames % WAN_TEMPORAL_FACTOR != 1:
-            nearest = (frames // WAN_TEMPORAL_FACTOR) * WAN_TEMPORAL_FACTOR + 1
-            return [
-                f"{flag} ({frames}) must be 4k + 1 for {type(self).__name__} (Wan's VAE encodes the first frame "
-                f"alone and then every {WAN_TEMPORAL_FACTOR}): use {nearest}, for example"
-            ]
-        return []
+        return causal_video_frame_problems(
+            frames, flag, type(self).__name__, "Wan's VAE", WAN_TEMPORAL_FACTOR
+        )
 
     def sequence_parallel_problems(
         self, sp: int, height: int, width: int, frames: int, flag: str
@@ -253,15 +248,9 @@ class WanPolicy(FlowPolicy):
         problems = self.problems()
         if problems:
             raise ValueError("; ".join(problems))
-        try:
-            # One dtype for every component but the VAE (diffusers reads a {component: dtype} mapping).
-            (key,) = pretrained_dtype_kwargs(torch.float32)
-            dtypes = {"default": resolve_dtype(self.dtype_name), "vae": resolve_dtype(self.vae_dtype_name)}
-            pipe = self.pipeline_class.from_pretrained(self.pretrained, **{key: dtypes})
-        except (OSError, ValueError) as err:
-            raise ValueError(
-                f"{PRETRAINED_FLAG} ({self.pretrained}): loading the {self.pipeline_name} failed: {err}"
-            ) from err
+        # One dtype for every component but the VAE (diffusers reads a {component: dtype} mapping).
+        dtypes = {"default": resolve_dtype(self.dtype_name), "vae": resolve_dtype(self.vae_dtype_name)}
+        pipe = load_pipeline(self, dtypes, PRETRAINED_FLAG)
         if pipe.transformer is None:
             raise ValueError(
                 f"{PRETRAINED_FLAG} ({self.pretrained}): this WanPipeline has no `transformer` (a low-noise "

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from lit_flowgrpo.attention import AttentionShape
 from lit_flowgrpo.policies.base import DType, Embeds, embeds_to, vae_pixels
-from lit_flowgrpo.policies.packed import PackedLatentPolicy
+from lit_flowgrpo.policies.packed import PackedLatentPolicy, padded_prompts
 
 
 class ZImagePolicy(PackedLatentPolicy):
@@ -92,15 +92,7 @@ class ZImagePolicy(PackedLatentPolicy):
         return {"prompt_embeds": embeds[None]}
 
     def _collate(self, rows: list[Embeds]) -> Embeds:
-        """Pad each prompt with zeros to ``max_sequence_length`` and add the mask (1 = real token)."""
-        first = rows[0]["prompt_embeds"]
-        embeds = first.new_zeros(len(rows), self.max_sequence_length, first.shape[-1])
-        mask = torch.zeros(len(rows), self.max_sequence_length, dtype=torch.long, device=first.device)
-        for i, row in enumerate(rows):
-            n = row["prompt_embeds"].shape[1]
-            embeds[i, :n] = row["prompt_embeds"][0]
-            mask[i, :n] = 1
-        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+        return padded_prompts(rows, self.max_sequence_length)
 
     # -- the network ----------------------------------------------------------------------------------
 
