@@ -24,6 +24,8 @@ and appended to the image tokens) wait for the conditioning a rollout record car
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -159,10 +161,7 @@ class Flux2KleinPolicy(PackedLatentPolicy):
         batch, rows, cols = self._check_packed(latents)
         ids = pipe._prepare_latent_ids(latents.new_empty(batch, 0, rows, cols)).to(latents.device)
         x = pipe._unpack_latents_with_ids(latents, ids)  # (B, 4C, h/2, w/2)
-        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(x.device, x.dtype)
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(
-            x.device, x.dtype
-        )
+        mean, std = latent_statistics(vae, x)
         x = pipe._unpatchify_latents(x * std + mean)  # (B, C, h, w)
         image = vae.decode(x.to(vae.dtype), return_dict=False)[0]
         return pipe.image_processor.postprocess(image, output_type="pt").float()
@@ -177,10 +176,7 @@ class Flux2KleinPolicy(PackedLatentPolicy):
         height, width = images.shape[-2:]
         self._packed_grid(height, width)  # checks the size and remembers the grid of a non-square one
         z = pipe._patchify_latents(vae.encode(vae_pixels(vae, images)).latent_dist.mode().float())
-        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(
-            z.device, z.dtype
-        )
+        mean, std = latent_statistics(vae, z)
         return pipe._pack_latents((z - mean) / std)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
@@ -197,6 +193,16 @@ class Flux2KleinPolicy(PackedLatentPolicy):
             device="cpu",
         )
         return scheduler.sigmas.to(torch.float32)
+
+
+def latent_statistics(vae: Any, like: Tensor) -> tuple[Tensor, Tensor]:
+    """The (1, 4C, 1, 1) mean and ``sqrt(var + eps)`` of the VAE's batch-norm running statistics, on
+    ``like``'s device and in its dtype: FLUX.2's latent normalisation (``Flux2KleinPipeline``)."""
+    mean = vae.bn.running_mean.view(1, -1, 1, 1).to(like.device, like.dtype)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(
+        like.device, like.dtype
+    )
+    return mean, std
 
 
 class Flux2DevPolicy(Flux2KleinPolicy):
