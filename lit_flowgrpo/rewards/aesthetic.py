@@ -9,20 +9,18 @@ Scores are on the AVA 1–10 scale.
 from __future__ import annotations
 
 import os
-import re
 
 import torch
 from torch import Tensor, nn
 
 from lit_flowgrpo.policies.base import DType
-from lit_flowgrpo.rewards.hf import as_features, check_dtype, place
+from lit_flowgrpo.rewards.hf import HUB_FILE, as_features, check_dtype, place
 from lit_flowgrpo.rewards.images import to_pil
 from lit_flowgrpo.rewards.registry import register_reward
 
 _FLAG = "--model.init_args.reward.init_args.config.aesthetic"
 
 DEFAULT_MLP_WEIGHTS = "https://github.com/christophschuhmann/improved-aesthetic-predictor/raw/main/sac+logos+ava1-l14-linearMSE.pth"
-_HUB_FILE = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+/.+$")
 
 
 class AestheticMLP(nn.Module):
@@ -46,7 +44,7 @@ class AestheticMLP(nn.Module):
 
 
 def _weights_problem(source: str) -> str | None:
-    if source.startswith(("https://", "http://")) or os.path.isfile(source) or _HUB_FILE.match(source):
+    if source.startswith(("https://", "http://")) or os.path.isfile(source) or HUB_FILE.match(source):
         return None
     return (
         f"{_FLAG}.mlp_weights ({source!r}) is neither an existing file, an http(s) URL, nor a hub file "

@@ -27,7 +27,6 @@ measures it against :func:`lit_flowgrpo.rewards.image_reward.pil_resize_center_c
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 import torch
@@ -36,7 +35,15 @@ from torch import Tensor, nn
 
 from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.policies.base import DType
-from lit_flowgrpo.rewards.hf import as_features, check_dtype, place
+from lit_flowgrpo.rewards.hf import (
+    HUB_FILE,
+    as_features,
+    check_dtype,
+    from_state_dict,
+    load_state,
+    place,
+    source_problem,
+)
 from lit_flowgrpo.rewards.images import check_images
 from lit_flowgrpo.rewards.registry import register_reward
 
@@ -50,7 +57,6 @@ __all__ = [
 ]
 
 _FLAG = "--model.init_args.reward.init_args.config.hpsv2"
-_HUB_FILE = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+/.+$")
 
 
 def resize_center_crop(
@@ -151,27 +157,12 @@ def open_clip_to_transformers(state: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def _checkpoint_problem(source: str) -> str | None:
-    if os.path.isdir(source) or os.path.isfile(source) or _HUB_FILE.match(source):
+    if os.path.isdir(source) or os.path.isfile(source) or HUB_FILE.match(source):
         return None
     return (
         f"{_FLAG}.checkpoint ({source!r}) is neither an existing file or folder nor a hub file "
         "'org/repo/filename' (the release is xswu/HPSv2/HPS_v2.1_compressed.pt)"
     )
-
-
-def _load_state(source: str) -> dict[str, Tensor]:
-    """A checkpoint's tensors: a local ``.pt``/``.safetensors`` file or a hub file ``org/repo/file``."""
-    if not os.path.isfile(source):
-        from huggingface_hub import hf_hub_download
-
-        org, repo, filename = source.split("/", 2)
-        source = hf_hub_download(f"{org}/{repo}", filename)
-    if source.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        return load_file(source)
-    state = torch.load(source, map_location="cpu", weights_only=True)
-    return state.get("state_dict", state)  # HPSv2's files hold {"state_dict": ...}
 
 
 def load_clip(checkpoint: str, clip: str) -> nn.Module:
@@ -186,17 +177,9 @@ def load_clip(checkpoint: str, clip: str) -> nn.Module:
 
     if os.path.isdir(checkpoint):
         return CLIPModel.from_pretrained(checkpoint)
-    state = open_clip_to_transformers(_load_state(checkpoint))
-    model, info = CLIPModel.from_pretrained(
-        None, config=CLIPConfig.from_pretrained(clip), state_dict=state, output_loading_info=True
-    )
-    missing = [k for k in info["missing_keys"] if not k.endswith("position_ids")]
-    if missing or info["unexpected_keys"]:
-        raise SettingsError(
-            f"{_FLAG}.checkpoint ({checkpoint!r}) does not match {clip!r}'s CLIP configuration: "
-            f"missing {missing[:3]}, unexpected {list(info['unexpected_keys'])[:3]}"
-        )
-    return model
+    state = open_clip_to_transformers(load_state(checkpoint, "state_dict"))  # HPSv2 holds {"state_dict": ...}
+    mismatch = f"{_FLAG}.checkpoint ({checkpoint!r}) does not match {clip!r}'s CLIP configuration"
+    return from_state_dict(CLIPModel, CLIPConfig.from_pretrained(clip), state, mismatch)
 
 
 @register_reward("hpsv2")
@@ -390,8 +373,6 @@ class HPSv3Reward:
         pixels: int = HPSV3_PIXELS,
         instruction: str = HPSV3_INSTRUCTION,
     ) -> None:
-        from lit_flowgrpo.rewards.qwen_vl import source_problem
-
         check_dtype(dtype, self._flag)
         problems = [source_problem(f"{self._flag}.checkpoint", checkpoint)]
         if pixels < 4 * 28 * 28:
@@ -424,12 +405,14 @@ class HPSv3Reward:
             return
         from transformers import AutoImageProcessor
 
-        from lit_flowgrpo.rewards.qwen_vl import load_backbone, load_state, load_tokenizer, split_state
+        from lit_flowgrpo.rewards.qwen_vl import load_backbone, load_tokenizer, split_state
 
         tokenizer = load_tokenizer(self.base, [HPSV3_REWARD_TOKEN])
         image_processor = AutoImageProcessor.from_pretrained(self.base)
         fix_pixels(image_processor, self.pixels)
-        state, head_state = split_state(load_state(self.checkpoint))
+        state, head_state = split_state(
+            load_state(self.checkpoint, "model")
+        )  # HPSv3's loader accepts {"model": ...} too
         backbone = load_backbone(self.base, state, len(tokenizer), f"{self._flag}.checkpoint")
         head = hpsv3_head(backbone.config.text_config.hidden_size, head_state["5.weight"].shape[0])
         head.load_state_dict(head_state)

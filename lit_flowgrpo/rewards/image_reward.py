@@ -22,7 +22,6 @@ Preprocessing is ImageReward's: the image quantised to 8 bits, resized by PIL so
 from __future__ import annotations
 
 import json
-import os
 import re
 from typing import Any
 
@@ -34,14 +33,13 @@ from torch import Tensor, nn
 from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.policies.base import DType
 from lit_flowgrpo.rewards.aesthetic import AestheticMLP
-from lit_flowgrpo.rewards.hf import check_dtype, place
+from lit_flowgrpo.rewards.hf import check_dtype, from_state_dict, local_file, place, source_problem
 from lit_flowgrpo.rewards.images import check_images, to_pil
 from lit_flowgrpo.rewards.registry import register_reward
 
 __all__ = ["BLIP_VIT_LARGE", "IMAGE_REWARD_MEAN", "IMAGE_REWARD_STD", "ImageRewardReward", "convert_state"]
 
 _FLAG = "--model.init_args.reward.init_args.config.image_reward"
-_HUB_FILE = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+/.+$")
 
 IMAGE_REWARD_MEAN = 0.16717362830052426
 """The raw score's mean, subtracted (ImageReward.py, ``self.mean``)."""
@@ -118,35 +116,6 @@ def convert_state(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str
     return vision, text, head
 
 
-def _source_problem(setting: str, source: str) -> str | None:
-    if os.path.isfile(source) or _HUB_FILE.match(source):
-        return None
-    return f"{_FLAG}.{setting} ({source!r}) is neither an existing file nor a hub file 'org/repo/filename'"
-
-
-def _local(source: str) -> str:
-    if os.path.isfile(source):
-        return source
-    from huggingface_hub import hf_hub_download
-
-    org, repo, filename = source.split("/", 2)
-    return hf_hub_download(f"{org}/{repo}", filename)
-
-
-def _from_pretrained(cls: Any, config: Any, state: dict[str, Tensor], part: str, **kwargs: Any) -> nn.Module:
-    """``cls.from_pretrained`` of a converted state dict, refusing one that leaves a weight unset."""
-    model, info = cls.from_pretrained(
-        None, config=config, state_dict=state, output_loading_info=True, **kwargs
-    )
-    missing = [k for k in info["missing_keys"] if not k.endswith("position_ids")]
-    if missing or info["unexpected_keys"]:
-        raise SettingsError(
-            f"{_FLAG}.checkpoint: the {part} does not match its configuration: missing {missing[:3]}, "
-            f"unexpected {list(info['unexpected_keys'])[:3]}"
-        )
-    return model
-
-
 def pil_resize_center_crop(images: Tensor, side: int) -> Tensor:
     """(B, 3, H, W) in [0, 1] -> (B, 3, side, side) fp32 in [0, 1]: torchvision's ``Resize(side, BICUBIC)``
     then ``CenterCrop(side)`` on PIL images, as ImageReward's ``_transform`` (PIL's bicubic, which
@@ -192,7 +161,10 @@ class ImageRewardReward:
         check_dtype(dtype, _FLAG)
         problems = [
             p
-            for p in (_source_problem("checkpoint", checkpoint), _source_problem("med_config", med_config))
+            for p in (
+                source_problem(f"{_FLAG}.checkpoint", checkpoint),
+                source_problem(f"{_FLAG}.med_config", med_config),
+            )
             if p
         ]
         if problems:
@@ -221,7 +193,7 @@ class ImageRewardReward:
         )
 
         vision_config = BlipVisionConfig(**self.vision_config)
-        with open(_local(self.med_config)) as f:
+        with open(local_file(self.med_config)) as f:
             bert = json.load(f)
         text_config = BlipTextConfig(
             vocab_size=bert["vocab_size"],
@@ -238,11 +210,14 @@ class ImageRewardReward:
             sep_token_id=None,
             is_decoder=True,  # builds the cross-attention layers; the forward runs bidirectionally
         )
-        state = torch.load(_local(self.checkpoint), map_location="cpu", weights_only=True)
+        state = torch.load(local_file(self.checkpoint), map_location="cpu", weights_only=True)
         vision, text, head = convert_state(state)
-        self.vision = _from_pretrained(BlipVisionModel, vision_config, vision, "image encoder").eval()
-        self.text = _from_pretrained(
-            BlipTextModel, text_config, text, "text encoder", add_pooling_layer=False
+        mismatch = f"{_FLAG}.checkpoint: the {{}} does not match its configuration"
+        self.vision = from_state_dict(
+            BlipVisionModel, vision_config, vision, mismatch.format("image encoder")
+        ).eval()
+        self.text = from_state_dict(
+            BlipTextModel, text_config, text, mismatch.format("text encoder"), add_pooling_layer=False
         ).eval()
         mlp = AestheticMLP(text_config.hidden_size)
         mlp.load_state_dict(head)

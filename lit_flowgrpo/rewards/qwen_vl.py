@@ -20,8 +20,6 @@ vocabulary grown by the added tokens, as the published ``resize_token_embeddings
 
 from __future__ import annotations
 
-import os
-import re
 from typing import Any
 
 import torch
@@ -36,38 +34,12 @@ __all__ = [
     "encode_images",
     "hidden_states",
     "load_backbone",
-    "load_state",
     "load_tokenizer",
-    "source_problem",
     "split_state",
 ]
 
 IMAGE_PAD = "<|image_pad|>"
 """Qwen2-VL's image placeholder: the chat template writes it once, the encoding repeats it per merged patch."""
-
-_HUB_FILE = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+/.+$")
-
-
-def source_problem(flag: str, source: str) -> str | None:
-    """A message when ``source`` is neither a local file nor a hub file ``org/repo/filename``."""
-    if os.path.isfile(source) or _HUB_FILE.match(source):
-        return None
-    return f"{flag} ({source!r}) is neither an existing file nor a hub file 'org/repo/filename'"
-
-
-def load_state(source: str) -> dict[str, Tensor]:
-    """A checkpoint's tensors: ``.safetensors`` or a torch file, local or a hub file ``org/repo/filename``."""
-    if not os.path.isfile(source):
-        from huggingface_hub import hf_hub_download
-
-        org, repo, filename = source.split("/", 2)
-        source = hf_hub_download(f"{org}/{repo}", filename)
-    if source.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        return load_file(source)
-    state = torch.load(source, map_location="cpu", weights_only=True)
-    return state.get("model", state)  # HPSv3's loader accepts {"model": ...} too
 
 
 def backbone_key(key: str) -> str | None:
