@@ -39,7 +39,6 @@ Two are registered: ``pairwise_win_rate`` (Pref-GRPO's reward over any pairwise 
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import re
 import time
@@ -52,9 +51,9 @@ from torch import Tensor
 from lit_flowgrpo.distributed import DataParallel
 from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.rewards.base import Scored, checked_output, note, scores_groups, thread_safe
-from lit_flowgrpo.rewards.images import ImageFormat, data_url, to_pil, to_uint8
+from lit_flowgrpo.rewards.images import ImageFormat, data_url, to_pil_resized, to_uint8
 from lit_flowgrpo.rewards.registry import build_reward, qualname, register_reward
-from lit_flowgrpo.rewards.remote import RemoteEndpoint, decode_json
+from lit_flowgrpo.rewards.remote import RemoteEndpoint, bearer_headers, chat_body, chat_reply
 
 __all__ = [
     "JUDGES",
@@ -516,7 +515,6 @@ class VLMPairwiseJudge:
         self.model, self.template = model, template
         self.image_format, self.resize = image_format, resize
         self.max_tokens, self.temperature = max_tokens, temperature
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.endpoint = RemoteEndpoint(
             base_url,
             flag=flag,
@@ -525,7 +523,7 @@ class VLMPairwiseJudge:
             backoff_s=backoff_s,
             max_concurrency=max_concurrency,
             max_consecutive_failures=max_consecutive_failures,
-            headers=headers,
+            headers=bearer_headers(api_key),
             url_key="base_url",
         )
 
@@ -539,10 +537,7 @@ class VLMPairwiseJudge:
         return torch.tensor([math.nan if s is None else s for s in shares], dtype=torch.float32)
 
     def _urls(self, images: Tensor) -> list[str]:
-        pil = to_pil(images)
-        if self.resize is not None:
-            pil = [image.resize((self.resize, self.resize)) for image in pil]
-        return [data_url(image, self.image_format) for image in pil]
+        return [data_url(image, self.image_format) for image in to_pil_resized(images, self.resize)]
 
     def _compare(self, item: tuple[str, str, str, dict]) -> float:
         first, second, prompt, meta = item
@@ -552,23 +547,11 @@ class VLMPairwiseJudge:
             {"type": "image_url", "image_url": {"url": second}},
             {"type": "text", "text": question},
         ]
-        payload = {
-            "model": self.model,
-            "messages": [{"role": "user", "content": content}],
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-        }
-        body = json.dumps(payload).encode("utf-8")
+        body = chat_body(self.model, content, self.max_tokens, self.temperature)
         return self.endpoint.request("chat/completions", body, "application/json", self._verdict)
 
     def _verdict(self, raw: bytes) -> float:
-        reply = decode_json(raw)
-        try:
-            text = reply["choices"][0]["message"]["content"] or ""
-        except (KeyError, IndexError, TypeError) as err:
-            raise ValueError(
-                f"not a chat completion (no choices[0].message.content): {str(reply)[:120]}"
-            ) from err
+        text = chat_reply(raw) or ""
         found = self.patterns["answer_pattern"].search(text)
         if found is None:
             raise ValueError(

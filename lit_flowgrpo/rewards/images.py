@@ -70,6 +70,13 @@ def to_pil(images: Tensor) -> list[Image.Image]:
     return [Image.fromarray(array) for array in to_numpy_hwc(images)]
 
 
+def to_pil_resized(images: Tensor, side: int | None) -> list[Image.Image]:
+    """:func:`to_pil`, each image resized to ``side`` × ``side`` (PIL's default filter) unless ``side`` is
+    ``None``."""
+    pil = to_pil(images)
+    return pil if side is None else [image.resize((side, side)) for image in pil]
+
+
 def encode(image: Image.Image, fmt: ImageFormat, quality: int | None = None) -> bytes:
     """Encode one image as PNG or JPEG bytes.
 

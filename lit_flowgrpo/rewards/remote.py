@@ -78,6 +78,42 @@ def decode_json(raw: bytes) -> Any:
         raise ValueError(f"malformed JSON response ({err}); body starts {raw[:80]!r}") from err
 
 
+def bearer_headers(api_key: str | None) -> dict[str, str]:
+    """``Authorization: Bearer <api_key>``, or no header without a key (local servers)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def chat_body(
+    model: str,
+    content: list[dict[str, Any]],
+    max_tokens: int,
+    temperature: float,
+    extra_body: Mapping[str, Any] | None = None,
+) -> bytes:
+    """The JSON body of an OpenAI-compatible ``chat/completions`` request: one user message of ``content``
+    parts, after any ``extra_body`` fields (which the named fields override)."""
+    payload = {
+        **(extra_body or {}),
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+    }
+    return json.dumps(payload).encode("utf-8")
+
+
+def chat_reply(raw: bytes) -> Any:
+    """The first choice's ``message.content`` of a chat completion (``None`` where the server sent null);
+    a body that is not one raises ``ValueError`` (a retryable failure)."""
+    reply = decode_json(raw)
+    try:
+        return reply["choices"][0]["message"]["content"]
+    except (KeyError, IndexError, TypeError) as err:
+        raise ValueError(
+            f"not a chat completion (no choices[0].message.content): {str(reply)[:120]}"
+        ) from err
+
+
 class RemoteEndpoint:
     """An HTTP endpoint called with timeouts, retries, bounded concurrency and failure counting.
 

@@ -23,7 +23,6 @@ request (for vLLM, e.g. ``{"mm_processor_kwargs": {"fps": 16}}``).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from typing import Any, Literal
@@ -38,10 +37,10 @@ from lit_flowgrpo.rewards.images import (
     encode,
     frame_indices,
     to_base64,
-    to_pil,
+    to_pil_resized,
 )
 from lit_flowgrpo.rewards.registry import register_reward
-from lit_flowgrpo.rewards.remote import RemoteEndpoint, decode_json
+from lit_flowgrpo.rewards.remote import RemoteEndpoint, bearer_headers, chat_body, chat_reply
 
 _FLAG = "--model.init_args.reward.init_args.config.vlm_judge"
 
@@ -158,7 +157,6 @@ class VLMJudgeReward:
         self.resize = resize
         self.max_tokens = max_tokens
         self.temperature = temperature
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.endpoint = RemoteEndpoint(
             base_url,
             flag=_FLAG,
@@ -167,7 +165,7 @@ class VLMJudgeReward:
             backoff_s=backoff_s,
             max_concurrency=max_concurrency,
             max_consecutive_failures=max_consecutive_failures,
-            headers=headers,
+            headers=bearer_headers(api_key),
             url_key="base_url",
         )
 
@@ -186,17 +184,11 @@ class VLMJudgeReward:
         scores = self.endpoint.map(self._score_one, items)
         return torch.tensor([math.nan if s is None else s for s in scores], dtype=torch.float32)
 
-    def _resized(self, images: Tensor) -> list[Any]:
-        pil = to_pil(images)
-        if self.resize is not None:
-            pil = [image.resize((self.resize, self.resize)) for image in pil]
-        return pil
-
     def _image_parts(self, images: Tensor) -> list[tuple[list[dict], dict[str, Any]]]:
         """Per image: its message parts, and what the template may name beyond the prompt."""
         return [
             ([{"type": "image_url", "image_url": {"url": data_url(image, self.image_format)}}], {})
-            for image in self._resized(images)
+            for image in to_pil_resized(images, self.resize)
         ]
 
     def _video_parts(self, videos: Tensor) -> list[tuple[list[dict], dict[str, Any]]]:
@@ -208,7 +200,7 @@ class VLMJudgeReward:
         fps = self.fps * (len(index) - 1) / (frames - 1) if len(index) > 1 else self.fps
         out = []
         for video in videos:
-            pil = self._resized(video[index])
+            pil = to_pil_resized(video[index], self.resize)
             if self.video_format == "video_url":
                 joined = ",".join(to_base64(encode(frame, "jpeg")) for frame in pil)
                 parts = [{"type": "video_url", "video_url": {"url": f"data:video/jpeg;base64,{joined}"}}]
@@ -224,24 +216,12 @@ class VLMJudgeReward:
         (parts, fields), prompt, meta = item
         template = self.video_template if "fps" in fields else self.template
         question = template.format(prompt=prompt, metadata=meta, **fields)
-        payload = {
-            **self.extra_body,
-            "model": self.model,
-            "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}],
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-        }
-        body = json.dumps(payload).encode("utf-8")
+        content = [*parts, {"type": "text", "text": question}]
+        body = chat_body(self.model, content, self.max_tokens, self.temperature, self.extra_body)
         return self.endpoint.request("chat/completions", body, "application/json", self._parse)
 
     def _parse(self, raw: bytes) -> float:
-        reply = decode_json(raw)
-        try:
-            text = reply["choices"][0]["message"]["content"]
-        except (KeyError, IndexError, TypeError) as err:
-            raise ValueError(
-                f"not a chat completion (no choices[0].message.content): {str(reply)[:120]}"
-            ) from err
+        text = chat_reply(raw)
         match = self.pattern.search(text or "")
         if match is None:
             raise ValueError(f"no score matching {self.pattern.pattern!r} in the reply {str(text)[:120]!r}")
