@@ -308,7 +308,7 @@ def run_update(
                     result.forwards["update"] += per_row * len(idx)
                     result.forwards["ref"] += per_row * len(idx) if ctx.kl.runs_reference or pairs else 0
                     if first and out.on_policy_error is not None:  # None: no ratio to check
-                        _on_policy_check(out.on_policy_error, on_policy_tol, dp, hooks)
+                        _on_policy_check(out.on_policy_error, live, on_policy_tol, dp, hooks)
                     first = False
                     # Accumulated on the device: no host read per (micro-batch, visit).
                     result.loss_sums += torch.stack(
@@ -359,8 +359,14 @@ def _balance(
 _PLACE = "update.place"
 
 
-def _on_policy_check(err: Tensor, tol: float, dp: DataParallel, hooks: UpdateHooks) -> None:
-    value = float(dp.mean(err))
+def _on_policy_check(err: Tensor, live: int, tol: float, dp: DataParallel, hooks: UpdateHooks) -> None:
+    # Σ err·live / Σ live over the peers: a peer whose first micro-batch is all padding reports 0 for rows
+    # it does not hold, which a plain mean over peers would average in.
+    if dp.size == 1:
+        value = float(err)
+    else:
+        num, den = dp.mean(torch.stack([err.detach().float() * live, err.new_tensor(float(live))])).tolist()
+        value = num / den if den > 0 else 0.0
     hooks.log({"actor/on_policy_ratio_err": value})
     if value > tol:
         rank_zero_warn(

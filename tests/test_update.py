@@ -241,6 +241,29 @@ def test_an_objective_without_a_ratio_logs_no_on_policy_error() -> None:
     assert "actor/on_policy_ratio_err" not in rec.logged and rec.steps > 0
 
 
+@dataclass(frozen=True)
+class PaddedPeer(OtherPeer):
+    """Rank 0 of two peers the other of which kept nothing, so its first micro-batch is all padding
+    (error 0 over 0 live rows): what a mean over the two peers returns."""
+
+    def mean(self, x: Tensor) -> Tensor:
+        return (x + torch.zeros_like(x)) / 2
+
+
+def test_the_on_policy_error_of_peers_weighs_their_live_rows() -> None:
+    # This rank's first micro-batch has 4 live rows at error 0.5; the other peer's has none. The error
+    # over the rows that exist is 0.5 (a mean over peers would say 0.25).
+    rec = Recorder()
+    ctx = VisitContext(policy=None, copies=None, guidance=1.0)  # type: ignore[arg-type]
+    hooks = rec.hooks()
+    run_update(
+        UpdateSettings(micro_batch_size=4, optimizer_steps_per_rollout=1), Counting(error=0.5, num_visits=1),
+        ctx, rollout(4, 1), hooks, rec, dp=PaddedPeer(rank=0, size=2), generator=torch.Generator().manual_seed(0),
+        on_policy_tol=1.0, forwards_per_sample=1,
+    )  # fmt: skip
+    assert rec.logged["actor/on_policy_ratio_err"] == 0.5
+
+
 def test_on_policy_tolerance_is_resolved_by_its_settings() -> None:
     assert UpdateSettings().on_policy_tolerance(fp32=True) == 1e-6
     assert UpdateSettings().on_policy_tolerance(fp32=False) == 1e-3
