@@ -21,7 +21,7 @@ import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from lit_flowgrpo.tiny.specs import SPECS
+from lit_flowgrpo.tiny.specs import SPECS, TINY_IMAGE_VAE
 from lit_flowgrpo.tiny.tokenizers import clip_tokenizer, t5_tokenizer
 
 FLUX = SPECS["flux"]
@@ -39,16 +39,7 @@ TRANSFORMER = dict(
 )
 #: FLUX.1's VAE (its normalisation constants, no quant convs) shrunk: two levels (2× in space), 4
 #: latent channels.
-VAE = dict(
-    FLUX["vae"],
-    down_block_types=["DownEncoderBlock2D"] * 2,
-    up_block_types=["UpDecoderBlock2D"] * 2,
-    block_out_channels=[8, 16],
-    layers_per_block=1,
-    latent_channels=4,
-    norm_num_groups=4,
-    sample_size=32,
-)
+VAE = dict(FLUX["vae"], **TINY_IMAGE_VAE)
 
 
 def build_tiny_flux(path: str | os.PathLike[str], seed: int = 0) -> str:

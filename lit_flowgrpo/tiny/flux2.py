@@ -34,7 +34,7 @@ from diffusers import (
 )
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from lit_flowgrpo.tiny.specs import SPECS
+from lit_flowgrpo.tiny.specs import SPECS, TINY_IMAGE_VAE
 from lit_flowgrpo.tiny.tokenizers import qwen3_tokenizer
 
 KLEIN = SPECS["flux2_klein4b"]
@@ -53,16 +53,7 @@ TRANSFORMER = dict(
     axes_dims_rope=(4, 4, 4, 4),
 )
 #: FLUX.2's VAE shrunk: two levels (2× in space), 4 latent channels (16 after the 2×2 patchify).
-VAE = dict(
-    KLEIN["vae"],
-    down_block_types=["DownEncoderBlock2D"] * 2,
-    up_block_types=["UpDecoderBlock2D"] * 2,
-    block_out_channels=[8, 16],
-    layers_per_block=1,
-    latent_channels=4,
-    norm_num_groups=4,
-    sample_size=32,
-)
+VAE = dict(KLEIN["vae"], **TINY_IMAGE_VAE)
 
 
 def qwen3_config(tokenizer: Qwen2Tokenizer, layers: int) -> Qwen3Config:

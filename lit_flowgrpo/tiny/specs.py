@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FLUX2_VAE", "FLUX_VAE", "SD3_VAE", "SPECS", "WAN21_VAE"]
+__all__ = ["FLUX2_VAE", "FLUX_VAE", "SD3_VAE", "SPECS", "TINY_IMAGE_VAE", "WAN21_VAE"]
 
 #: stabilityai/stable-diffusion-3.5-medium vae/config.json (AutoencoderKL: 8× in space, 16 latent
 #: channels, no quant convs); FLUX.1's is the same network with its own normalisation constants.
@@ -95,6 +95,18 @@ FLUX_SCHEDULER: dict[str, Any] = dict(
     max_shift=1.15,
     base_image_seq_len=256,
     max_image_seq_len=4096,
+)
+
+#: The override that shrinks an image VAE of these families (FLUX.1's, Z-Image's, FLUX.2's) for the tiny
+#: pipelines: two levels (2× in space), 4 latent channels, 32-pixel samples.
+TINY_IMAGE_VAE: dict[str, Any] = dict(
+    down_block_types=["DownEncoderBlock2D"] * 2,
+    up_block_types=["UpDecoderBlock2D"] * 2,
+    block_out_channels=[8, 16],
+    layers_per_block=1,
+    latent_channels=4,
+    norm_num_groups=4,
+    sample_size=32,
 )
 
 SPECS: dict[str, dict[str, Any]] = {

@@ -24,7 +24,7 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipe
 from transformers import Qwen3Model
 
 from lit_flowgrpo.tiny.flux2 import TEXT_HIDDEN, qwen3_config
-from lit_flowgrpo.tiny.specs import SPECS
+from lit_flowgrpo.tiny.specs import SPECS, TINY_IMAGE_VAE
 from lit_flowgrpo.tiny.tokenizers import qwen3_tokenizer
 
 #: Z-Image-Turbo's transformer shrunk: one main and one refiner block each of 2 heads of 16, 4 channels in.
@@ -40,16 +40,7 @@ TRANSFORMER = dict(
     axes_dims=[4, 6, 6],
 )
 #: FLUX.1's VAE (Z-Image's) shrunk: two levels (2× in space), 4 latent channels.
-VAE = dict(
-    SPECS["zimage_turbo"]["vae"],
-    down_block_types=["DownEncoderBlock2D"] * 2,
-    up_block_types=["UpDecoderBlock2D"] * 2,
-    block_out_channels=[8, 16],
-    layers_per_block=1,
-    latent_channels=4,
-    norm_num_groups=4,
-    sample_size=32,
-)
+VAE = dict(SPECS["zimage_turbo"]["vae"], **TINY_IMAGE_VAE)
 
 
 def build_tiny_zimage(path: str | os.PathLike[str], variant: str = "turbo", seed: int = 0) -> str:
