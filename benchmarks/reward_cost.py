@@ -200,48 +200,26 @@ def image_reward(device: torch.device, tiny: bool, tmp: str):
     return reward, {"dtype": "float32", "params": params}
 
 
-def hpsv3(device: torch.device, tiny: bool):
-    from transformers import Qwen2VLConfig, Qwen2VLImageProcessor, Qwen2VLModel
+#: A Qwen2-VL of two text layers of width 32 and one vision block, for the tiny runs of HPSv3 and VideoAlign.
+TINY_QWEN2VL_TEXT = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "rope_scaling": {"type": "mrope", "mrope_section": [4, 2, 2]},
+}
+TINY_QWEN2VL_VISION = {"depth": 1, "embed_dim": 16, "hidden_size": 32, "mlp_ratio": 2, "num_heads": 2}
 
-    from lit_flowgrpo.rewards.hps import (
-        HPSV3_INSTRUCTION,
-        HPSV3_PIXELS,
-        HPSV3_REWARD_TOKEN,
-        HPSv3Reward,
-        fix_pixels,
-        hpsv3_head,
-    )
 
-    tokenizer = _qwen_tokenizer(
-        HPSV3_INSTRUCTION + " ".join(PROMPTS) + " system You are a helpful assistant. user assistant"
-    )
+def _qwen2vl_config(tokenizer, text: dict, vision: dict):
+    """A Qwen2-VL config of ``text`` and ``vision`` sizes for ``tokenizer`` (its vision token ids), with the
+    14-pixel patches, 2×2 merge and 2-frame temporal patches of every Qwen2-VL release, on SDPA."""
+    from transformers import Qwen2VLConfig
+
     ids = tokenizer.convert_tokens_to_ids(
         ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
     )
-    if tiny:
-        text = {
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "rope_scaling": {"type": "mrope", "mrope_section": [4, 2, 2]},
-        }
-        vision = {"depth": 1, "embed_dim": 16, "hidden_size": 32, "mlp_ratio": 2, "num_heads": 2}
-        pixels = 56 * 56
-    else:  # Qwen/Qwen2-VL-7B-Instruct's config.json
-        text = {
-            "hidden_size": 3584,
-            "intermediate_size": 18944,
-            "num_hidden_layers": 28,
-            "num_attention_heads": 28,
-            "num_key_value_heads": 4,
-            "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
-            "rope_theta": 1000000.0,
-            "rms_norm_eps": 1e-6,
-        }
-        vision = {"depth": 32, "embed_dim": 1280, "hidden_size": 3584, "mlp_ratio": 4, "num_heads": 16}
-        pixels = HPSV3_PIXELS
     config = Qwen2VLConfig(
         text_config={
             **text,
@@ -262,6 +240,41 @@ def hpsv3(device: torch.device, tiny: bool):
         video_token_id=ids[3],
     )
     config._attn_implementation = "sdpa"
+    return config
+
+
+def hpsv3(device: torch.device, tiny: bool):
+    from transformers import Qwen2VLImageProcessor, Qwen2VLModel
+
+    from lit_flowgrpo.rewards.hps import (
+        HPSV3_INSTRUCTION,
+        HPSV3_PIXELS,
+        HPSV3_REWARD_TOKEN,
+        HPSv3Reward,
+        fix_pixels,
+        hpsv3_head,
+    )
+
+    tokenizer = _qwen_tokenizer(
+        HPSV3_INSTRUCTION + " ".join(PROMPTS) + " system You are a helpful assistant. user assistant"
+    )
+    if tiny:
+        text, vision = TINY_QWEN2VL_TEXT, TINY_QWEN2VL_VISION
+        pixels = 56 * 56
+    else:  # Qwen/Qwen2-VL-7B-Instruct's config.json
+        text = {
+            "hidden_size": 3584,
+            "intermediate_size": 18944,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+        }
+        vision = {"depth": 32, "embed_dim": 1280, "hidden_size": 3584, "mlp_ratio": 4, "num_heads": 16}
+        pixels = HPSV3_PIXELS
+    config = _qwen2vl_config(tokenizer, text, vision)
     reward = HPSv3Reward(device=str(device), dtype="float32" if tiny else "bfloat16", pixels=pixels)
     reward.backbone = _build(Qwen2VLModel, config, device, torch.float32 if tiny else torch.bfloat16)
     reward.head = hpsv3_head(text["hidden_size"]).to(device).eval().requires_grad_(False)
@@ -279,7 +292,7 @@ def hpsv3(device: torch.device, tiny: bool):
 
 
 def video_align(device: torch.device, tiny: bool):
-    from transformers import Qwen2VLConfig, Qwen2VLModel
+    from transformers import Qwen2VLModel
 
     from lit_flowgrpo.rewards.video_align import VIDEO_ALIGN_TEMPLATE, VIDEO_REWARD_TOKENS, VideoAlignReward
 
@@ -290,19 +303,8 @@ def video_align(device: torch.device, tiny: bool):
     tokenizer.chat_template = tokenizer.chat_template.replace("'image'", "'video'").replace(
         "<|image_pad|>", "<|video_pad|>"
     )
-    ids = tokenizer.convert_tokens_to_ids(
-        ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-    )
     if tiny:
-        text = {
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "rope_scaling": {"type": "mrope", "mrope_section": [4, 2, 2]},
-        }
-        vision = {"depth": 1, "embed_dim": 16, "hidden_size": 32, "mlp_ratio": 2, "num_heads": 2}
+        text, vision = TINY_QWEN2VL_TEXT, TINY_QWEN2VL_VISION
     else:  # Qwen/Qwen2-VL-2B-Instruct's config.json
         text = {
             "hidden_size": 1536,
@@ -315,26 +317,7 @@ def video_align(device: torch.device, tiny: bool):
             "rms_norm_eps": 1e-6,
         }
         vision = {"depth": 32, "embed_dim": 1280, "hidden_size": 1536, "mlp_ratio": 4, "num_heads": 16}
-    config = Qwen2VLConfig(
-        text_config={
-            **text,
-            "vocab_size": len(tokenizer),
-            "max_position_embeddings": 32768,
-            "pad_token_id": tokenizer.pad_token_id,
-        },
-        vision_config={
-            **vision,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "in_chans": 3,
-        },
-        vision_start_token_id=ids[0],
-        vision_end_token_id=ids[1],
-        image_token_id=ids[2],
-        video_token_id=ids[3],
-    )
-    config._attn_implementation = "sdpa"
+    config = _qwen2vl_config(tokenizer, text, vision)
     dtype = "float32" if tiny else "bfloat16"
     reward = VideoAlignReward(
         checkpoint="KwaiVGI/VideoReward",
