@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny SD3 pipeline folder (built once per session) and small prompt files."""
+"""Shared fixtures: tiny SD3, FLUX.1, Qwen-Image, FLUX.2 klein and Z-Image-Turbo pipeline folders (each
+built once per session) and small prompt files."""
 
 from __future__ import annotations
 
@@ -23,6 +24,34 @@ def tiny_sd3_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     from lit_flowgrpo.tiny.sd3 import build_tiny_sd3
 
     return build_tiny_sd3(str(tmp_path_factory.mktemp("tiny") / "sd3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from lit_flowgrpo.tiny.flux import build_tiny_flux
+
+    return build_tiny_flux(tmp_path_factory.mktemp("tiny_flux"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwenimage_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from lit_flowgrpo.tiny.qwenimage import build_tiny_qwenimage
+
+    return build_tiny_qwenimage(tmp_path_factory.mktemp("tiny_qwenimage"))
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from lit_flowgrpo.tiny.flux2 import build_tiny_flux2
+
+    return build_tiny_flux2(tmp_path_factory.mktemp("tiny_flux2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_zimage_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from lit_flowgrpo.tiny.zimage import build_tiny_zimage
+
+    return build_tiny_zimage(tmp_path_factory.mktemp("tiny_zimage"))
 
 
 @pytest.fixture()

@@ -445,22 +445,9 @@ def test_recipe_matches_its_source(name: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# One rollout of each recipe on CPU, on a tiny pipeline of its family
+# One rollout of each recipe on CPU, on a tiny pipeline of its family (the image families' pipelines are
+# tests/conftest.py's, shared with tests/policies)
 # --------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def tiny_flux_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from lit_flowgrpo.tiny.flux import build_tiny_flux
-
-    return build_tiny_flux(tmp_path_factory.mktemp("cfg_tiny_flux"))
-
-
-@pytest.fixture(scope="session")
-def tiny_qwenimage_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from lit_flowgrpo.tiny.qwenimage import build_tiny_qwenimage
-
-    return build_tiny_qwenimage(tmp_path_factory.mktemp("cfg_tiny_qwenimage"))
 
 
 @pytest.fixture(scope="session")
@@ -482,20 +469,6 @@ def tiny_hunyuanvideo15_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     from lit_flowgrpo.tiny.hunyuanvideo15 import build_tiny_hunyuanvideo15
 
     return build_tiny_hunyuanvideo15(tmp_path_factory.mktemp("cfg_tiny_hunyuanvideo15"))
-
-
-@pytest.fixture(scope="session")
-def tiny_flux2_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from lit_flowgrpo.tiny.flux2 import build_tiny_flux2
-
-    return build_tiny_flux2(tmp_path_factory.mktemp("cfg_tiny_flux2"))
-
-
-@pytest.fixture(scope="session")
-def tiny_zimage_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from lit_flowgrpo.tiny.zimage import build_tiny_zimage
-
-    return build_tiny_zimage(tmp_path_factory.mktemp("cfg_tiny_zimage"))
 
 
 def _tiny_run_config(cfg: dict[str, Any], pretrained: str, prompts: str, root: Path) -> dict[str, Any]:
