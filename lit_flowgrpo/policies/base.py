@@ -505,6 +505,47 @@ def vae_pixels(vae: nn.Module, images: Tensor) -> Tensor:
     return (images * 2.0 - 1.0).to(device=next(vae.parameters()).device, dtype=vae.dtype)
 
 
+def video_latent_shape(
+    policy: FlowPolicy,
+    channels: int,
+    size: tuple[int, int, int],
+    factors: tuple[int, int],
+    patches: tuple[int, int],
+) -> tuple[int, int, int, int]:
+    """(C, (F − 1)/t + 1, H/s, W/s) of a causal video VAE's latent for ``size`` = (height, width, frames),
+    ``factors`` = (spatial s, temporal t) and the transformer's (height, width) ``patches``.
+
+    Raises:
+        ValueError: naming each sampler setting that does not fit (the frames as ``policy.frame_problems``
+            says; height and width must be multiples of s × patch).
+    """
+    height, width, frames = size
+    spatial, temporal = factors
+    problems = [] if (frames - 1) % temporal == 0 else policy.frame_problems(frames)
+    for flag, value, patch in ((HEIGHT_FLAG, height, patches[0]), (WIDTH_FLAG, width, patches[1])):
+        if value % (spatial * patch):
+            problems.append(
+                f"{flag} ({value}) must be a multiple of {spatial * patch} for this checkpoint (its VAE "
+                f"downsamples by {spatial}, its transformer cuts patches of {patch})"
+            )
+    if problems:
+        raise ValueError("; ".join(problems))
+    return (channels, (frames - 1) // temporal + 1, height // spatial, width // spatial)
+
+
+def checked_sigmas(scheduler: Any, num_steps: int, flag: str, policy: str, hint: str = "") -> Tensor:
+    """``scheduler.sigmas`` (fp32) after its ``set_timesteps``, which must be ``num_steps`` + 1 levels ending
+    at 0 (the last Euler / SDE step lands on the clean sample); else a ``ValueError`` naming ``flag``, with
+    ``hint`` after it."""
+    sigmas = torch.as_tensor(scheduler.sigmas, dtype=torch.float32)
+    if sigmas.numel() != num_steps + 1 or float(sigmas[-1]) != 0.0:
+        raise ValueError(
+            f"{flag}: its {type(scheduler).__name__} gives {sigmas.numel()} noise levels ending at "
+            f"{float(sigmas[-1])} for {num_steps} steps; {policy} needs num_steps + 1 ending at 0{hint}"
+        )
+    return sigmas
+
+
 def latent_shape_of(policy: FlowPolicy, height: int, width: int, frames: int = 1) -> tuple[int, ...]:
     """The per-sample latent shape of a sample of ``frames`` frames of ``height`` x ``width`` pixels:
     ``policy.latent_shape(height, width, frames)`` for a video policy, ``(height, width)`` for an image

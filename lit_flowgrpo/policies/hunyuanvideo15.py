@@ -57,9 +57,11 @@ from lit_flowgrpo.policies.base import (
     causal_video_frame_problems,
     check_family,
     check_pretrained,
+    checked_sigmas,
     load_pipeline,
     resolve_dtype,
     vae_pixels,
+    video_latent_shape,
 )
 from lit_flowgrpo.policies.packed import PRETRAINED_FLAG
 
@@ -444,25 +446,12 @@ class HunyuanVideo15Policy(FlowPolicy):
 
         scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, num_steps + 1)[:-1], device="cpu")
-        sigmas = torch.as_tensor(scheduler.sigmas, dtype=torch.float32)
-        if sigmas.numel() != num_steps + 1 or float(sigmas[-1]) != 0.0:
-            raise ValueError(
-                f"{PRETRAINED_FLAG}: its {type(scheduler).__name__} gives {sigmas.numel()} noise levels ending at "
-                f"{float(sigmas[-1])} for {num_steps} steps; {type(self).__name__} needs num_steps + 1 ending at 0"
-            )
-        return sigmas
+        return checked_sigmas(scheduler, num_steps, PRETRAINED_FLAG, type(self).__name__)
 
     def latent_shape(self, height: int, width: int, frames: int = 1) -> tuple[int, ...]:
         spatial, temporal = self.pipe.vae_scale_factor_spatial, self.pipe.vae_scale_factor_temporal
         patch = int(self.transformer.config.patch_size)
-        problems = [] if (frames - 1) % temporal == 0 else self.frame_problems(frames)
-        for flag, value in ((HEIGHT_FLAG, height), (WIDTH_FLAG, width)):
-            if value % (spatial * patch):
-                problems.append(
-                    f"{flag} ({value}) must be a multiple of {spatial * patch} for this checkpoint (its VAE "
-                    f"downsamples by {spatial}, its transformer cuts patches of {patch})"
-                )
-        if problems:
-            raise ValueError("; ".join(problems))
         channels = int(self.pipe.num_channels_latents)
-        return (channels, (frames - 1) // temporal + 1, height // spatial, width // spatial)
+        return video_latent_shape(
+            self, channels, (height, width, frames), (spatial, temporal), (patch, patch)
+        )

@@ -45,9 +45,11 @@ from lit_flowgrpo.policies.base import (
     causal_video_frame_problems,
     check_family,
     check_pretrained,
+    checked_sigmas,
     load_pipeline,
     resolve_dtype,
     vae_pixels,
+    video_latent_shape,
 )
 from lit_flowgrpo.policies.packed import PRETRAINED_FLAG
 
@@ -395,29 +397,14 @@ class WanPolicy(FlowPolicy):
         """The checkpoint scheduler's own noise levels for ``num_steps`` (size-independent for Wan)."""
         scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
         scheduler.set_timesteps(num_steps, device="cpu")
-        sigmas = torch.as_tensor(scheduler.sigmas, dtype=torch.float32)
-        if sigmas.numel() != num_steps + 1 or float(sigmas[-1]) != 0.0:
-            raise ValueError(
-                f"{PRETRAINED_FLAG}: its {type(scheduler).__name__} gives {sigmas.numel()} noise levels ending at "
-                f"{float(sigmas[-1])} for {num_steps} steps; WanPolicy needs num_steps + 1 ending at 0 (a flow "
-                "schedule with final_sigmas_type='zero')"
-            )
-        return sigmas
+        hint = " (a flow schedule with final_sigmas_type='zero')"
+        return checked_sigmas(scheduler, num_steps, PRETRAINED_FLAG, "WanPolicy", hint)
 
     def latent_shape(self, height: int, width: int, frames: int = 1) -> tuple[int, ...]:
         spatial, temporal = self.pipe.vae_scale_factor_spatial, self.pipe.vae_scale_factor_temporal
         _, ph, pw = self.transformer.config.patch_size
-        problems = [] if (frames - 1) % temporal == 0 else self.frame_problems(frames)
-        for flag, value, patch in ((HEIGHT_FLAG, height, ph), (WIDTH_FLAG, width, pw)):
-            if value % (spatial * patch):
-                problems.append(
-                    f"{flag} ({value}) must be a multiple of {spatial * patch} for this checkpoint (its VAE "
-                    f"downsamples by {spatial}, its transformer cuts patches of {patch})"
-                )
-        if problems:
-            raise ValueError("; ".join(problems))
         channels = int(self.transformer.config.in_channels)
-        return (channels, (frames - 1) // temporal + 1, height // spatial, width // spatial)
+        return video_latent_shape(self, channels, (height, width, frames), (spatial, temporal), (ph, pw))
 
     def flops_forward(self, height: int, width: int, frames: int = 1) -> Callable[[], Tensor]:
         # σ = 1 is the first (high-noise) network's, whose gradients the FLOP count saves and restores.
