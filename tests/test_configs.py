@@ -471,6 +471,38 @@ def tiny_hunyuanvideo15_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_hunyuanvideo15(tmp_path_factory.mktemp("cfg_tiny_hunyuanvideo15"))
 
 
+def _assert_batch_layout(raw: dict[str, Any], want: dict[str, Any]) -> None:
+    """The recipe's GPUs, prompts x group per step, micro-batch and optimizer steps per rollout are the
+    source's (``want``)."""
+    trainer, data = raw["trainer"], raw["data"]["init_args"]
+    update = raw["model"]["init_args"]["update"]
+    assert trainer["devices"] * trainer["num_nodes"] == want["gpus"]
+    assert (data["prompts_per_step"], data["group_size"]) == (want["prompts_per_step"], want["group_size"])
+    assert (update["micro_batch_size"], update["optimizer_steps_per_rollout"]) == (
+        want["micro_batch_size"],
+        want["optimizer_steps_per_rollout"],
+    )
+
+
+def _fit_tiny(
+    raw: dict[str, Any],
+    name: str,
+    request: pytest.FixtureRequest,
+    prompt_file: str,
+    tmp_path: Path,
+    num_steps: int | None = None,
+) -> FlowGRPOCLI:
+    """``fit`` of the recipe ``raw`` shrunk by :func:`_tiny_run_config` on the tiny pipeline of its family
+    (:data:`TINY_VARIANT` where it names one), with ``num_steps`` sampling steps where given."""
+    fixture = TINY_VARIANT.get(name) or FAMILY_FIXTURE[raw["model"]["init_args"]["policy"]["class_path"]]
+    cfg = _tiny_run_config(raw, request.getfixturevalue(fixture), prompt_file, tmp_path)
+    if num_steps is not None:
+        cfg["model"]["init_args"]["sampler"]["num_steps"] = num_steps
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return FlowGRPOCLI(args=["fit", "--config", str(path)])
+
+
 def _tiny_run_config(cfg: dict[str, Any], pretrained: str, prompts: str, root: Path) -> dict[str, Any]:
     """The recipe, shrunk to one CPU rollout: 2 prompts x 4 samples at 32 px, tiny step counts,
     JPEG compressibility in place of rewards that need weights or a server, a CSV logger for W&B."""
@@ -521,12 +553,7 @@ def test_recipe_runs_one_rollout_on_cpu(
     name: str, request: pytest.FixtureRequest, prompt_file: str, tmp_path: Path
 ) -> None:
     raw = _load(CONFIG_DIR / f"{name}.yaml")
-    fixture = TINY_VARIANT.get(name) or FAMILY_FIXTURE[raw["model"]["init_args"]["policy"]["class_path"]]
-    cfg = _tiny_run_config(raw, request.getfixturevalue(fixture), prompt_file, tmp_path)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-
-    cli = FlowGRPOCLI(args=["fit", "--config", str(path)])
+    cli = _fit_tiny(raw, name, request, prompt_file, tmp_path)
 
     module, trainer = cli.model, cli.trainer
     want = PUBLISHED[name]
@@ -662,17 +689,12 @@ def test_other_source_recipe_matches_and_runs_one_rollout(
 ) -> None:
     want = OTHER_SOURCES[name]
     raw = _load(CONFIG_DIR / f"{name}.yaml")
-    trainer, model, data = raw["trainer"], raw["model"]["init_args"], raw["data"]["init_args"]
+    model, data = raw["model"]["init_args"], raw["data"]["init_args"]
     sampler, update = model["sampler"], model["update"]
-    assert trainer["devices"] * trainer["num_nodes"] == want["gpus"]
-    assert (data["prompts_per_step"], data["group_size"]) == (want["prompts_per_step"], want["group_size"])
+    _assert_batch_layout(raw, want)
     per_gpu = data["prompts_per_step"] * data["group_size"] // want["gpus"]
     micro_batches = per_gpu // update["micro_batch_size"]
     assert micro_batches // update["optimizer_steps_per_rollout"] == 12  # gradient_accumulation_steps
-    assert (update["micro_batch_size"], update["optimizer_steps_per_rollout"]) == (
-        want["micro_batch_size"],
-        want["optimizer_steps_per_rollout"],
-    )
     for key in ("num_steps", "timestep_fraction", "noise_level", "sde_type", "height"):
         assert sampler[key] == want[key], key
     assert model["objective"]["init_args"]["clip_range"] == want["clip_range"]
@@ -681,12 +703,7 @@ def test_other_source_recipe_matches_and_runs_one_rollout(
     assert (lora["rank"], lora["alpha"]) == (want["lora_rank"], want["lora_alpha"])
     assert list(model["reward"]["init_args"]["weights"]) == [want["reward"]]
 
-    fixture = FAMILY_FIXTURE[model["policy"]["class_path"]]
-    cfg = _tiny_run_config(raw, request.getfixturevalue(fixture), prompt_file, tmp_path)
-    cfg["model"]["init_args"]["sampler"]["num_steps"] = 5  # 0.6 x 5: 3 trained steps
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    cli = FlowGRPOCLI(args=["fit", "--config", str(path)])
+    cli = _fit_tiny(raw, name, request, prompt_file, tmp_path, num_steps=5)  # 0.6 x 5: 3 trained steps
     assert cli.trainer.global_step == 2  # one rollout, the recipe's 2 optimizer steps
     assert cli.model.sampler.sde_type == want["sde_type"]
     logged = {k: float(v) for k, v in cli.trainer.logged_metrics.items()}
@@ -749,14 +766,9 @@ def test_flow_factory_recipe_matches_and_runs_one_rollout(
 ) -> None:
     want = FLOW_FACTORY[name]
     raw = _load(CONFIG_DIR / f"{name}.yaml")
-    trainer, model, data = raw["trainer"], raw["model"]["init_args"], raw["data"]["init_args"]
+    trainer, model = raw["trainer"], raw["model"]["init_args"]
     sampler, update = model["sampler"], model["update"]
-    assert trainer["devices"] * trainer["num_nodes"] == want["gpus"]
-    assert (data["prompts_per_step"], data["group_size"]) == (want["prompts_per_step"], want["group_size"])
-    assert (update["micro_batch_size"], update["optimizer_steps_per_rollout"]) == (
-        want["micro_batch_size"],
-        want["optimizer_steps_per_rollout"],
-    )
+    _assert_batch_layout(raw, want)
     assert model["policy"]["init_args"]["pretrained"] == want["pretrained"]
     for key in ("num_steps", "eval_num_steps", "height", "guidance_scale", "noise_level", "sde_type"):
         assert sampler[key] == want[key], key
@@ -774,11 +786,7 @@ def test_flow_factory_recipe_matches_and_runs_one_rollout(
     assert callbacks["TrainableEMA"] == want["ema"]
     assert list(model["reward"]["init_args"]["weights"]) == [want["reward"]]
 
-    fixture = FAMILY_FIXTURE[model["policy"]["class_path"]]
-    cfg = _tiny_run_config(raw, request.getfixturevalue(fixture), prompt_file, tmp_path)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    cli = FlowGRPOCLI(args=["fit", "--config", str(path)])
+    cli = _fit_tiny(raw, name, request, prompt_file, tmp_path)
     assert cli.trainer.global_step == 2  # one rollout, the recipe's 2 optimizer steps
     assert cli.model.sampler.sde_window_size == 1 and cli.model.policy.transformer.dtype == torch.bfloat16
     logged = {k: float(v) for k, v in cli.trainer.logged_metrics.items()}
@@ -831,13 +839,9 @@ def test_dancegrpo_video_recipe_matches_and_runs_one_rollout(
     raw = _load(CONFIG_DIR / f"{name}.yaml")
     trainer, model, data = raw["trainer"], raw["model"]["init_args"], raw["data"]["init_args"]
     sampler, update = model["sampler"], model["update"]
-    assert trainer["devices"] * trainer["num_nodes"] == want["gpus"] and trainer["strategy"] == "fsdp2"
-    assert (data["prompts_per_step"], data["group_size"]) == (want["prompts_per_step"], want["group_size"])
+    _assert_batch_layout(raw, want)
+    assert trainer["strategy"] == "fsdp2"
     assert data["same_initial_noise"] is True  # --use_same_noise
-    assert (update["micro_batch_size"], update["optimizer_steps_per_rollout"]) == (
-        want["micro_batch_size"],
-        want["optimizer_steps_per_rollout"],
-    )
     for key in ("num_steps", "timestep_fraction", "noise_level", "sde_type", "height", "width", "frames"):
         assert sampler[key] == want[key], key
     assert sampler["frames"] % 4 == 1  # the 1.5 VAE's 4k + 1
@@ -876,12 +880,8 @@ def test_dancegrpo_video_recipe_matches_and_runs_one_rollout(
         torch.equal(out.components[f"video_align/{k}"], v) for k, v in scores.items()
     )
 
-    fixture = FAMILY_FIXTURE[model["policy"]["class_path"]]
     # The tiny run's 3 steps (0.6 x 3: 1 trained step), CFG 6.0 kept, the reward swapped for per-frame JPEG.
-    cfg = _tiny_run_config(raw, request.getfixturevalue(fixture), prompt_file, tmp_path)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    cli = FlowGRPOCLI(args=["fit", "--config", str(path)])
+    cli = _fit_tiny(raw, name, request, prompt_file, tmp_path)
     assert cli.trainer.global_step == 2  # one rollout, the recipe's 2 optimizer steps
     assert cli.model.sampler.sde_type == want["sde_type"] and cli.datamodule.same_initial_noise
     # A full fine-tune: every transformer weight trained, in float32 masters; no adapter.
