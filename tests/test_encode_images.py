@@ -43,36 +43,40 @@ def _mode(vae, pixels: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def flux(tmp_path_factory):
+def flux(tiny_flux_path):
     from lit_flowgrpo.policies import FluxPolicy
-    from lit_flowgrpo.tiny.flux import build_tiny_flux
 
-    p = FluxPolicy(build_tiny_flux(tmp_path_factory.mktemp("flux")), dtype="float32", max_sequence_length=16)
+    p = FluxPolicy(tiny_flux_path, dtype="float32", max_sequence_length=16)
     p.load()
     return p
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
+def qwen(tiny_qwenimage_path):
     from lit_flowgrpo.policies import QwenImagePolicy
-    from lit_flowgrpo.tiny.qwenimage import build_tiny_qwenimage
 
-    path = build_tiny_qwenimage(tmp_path_factory.mktemp("qwen"))
-    p = QwenImagePolicy(path, dtype="float32", max_sequence_length=16)
+    p = QwenImagePolicy(tiny_qwenimage_path, dtype="float32", max_sequence_length=16)
     p.load()
     return p
 
 
 @torch.no_grad()
-def test_sd3_is_the_img2img_normalisation(tiny_sd3_path):
-    from lit_flowgrpo.policies import SD3Policy
+@pytest.mark.parametrize("family", ["sd3", "zimage"])
+def test_unpacked_latents_are_the_img2img_normalisation(family, request):
+    # StableDiffusion3Img2ImgPipeline.prepare_latents and ZImageImg2ImgPipeline.prepare_latents alike:
+    # (z - shift) * scale of the VAE's latent, unpacked
+    from lit_flowgrpo.policies import SD3Policy, ZImagePolicy
 
-    policy = SD3Policy(tiny_sd3_path, dtype="float32")
+    path = request.getfixturevalue(f"tiny_{family}_path")
+    policy = (
+        SD3Policy(path, dtype="float32")
+        if family == "sd3"
+        else ZImagePolicy(path, dtype="float32", max_sequence_length=16)
+    )
     policy.load()
     images = _images()
     x0 = encode_images(policy, images)
     vae = policy.vae
-    # StableDiffusion3Img2ImgPipeline.prepare_latents: (z - shift) * scale of the VAE's latent
     want = (_mode(vae, vae_pixels(vae, images)) - vae.config.shift_factor) * vae.config.scaling_factor
     assert torch.equal(x0, want)
     assert tuple(x0.shape[1:]) == policy.latent_shape(SIZE, SIZE)
@@ -153,13 +157,12 @@ def test_the_pipeline_decodes_the_latents_to_the_image_decode_gives(family, requ
 
 
 @torch.no_grad()
-def test_flux2_is_the_reference_image_encoding(tmp_path):
+def test_flux2_is_the_reference_image_encoding(tiny_flux2_path):
     from diffusers import Flux2KleinPipeline
 
     from lit_flowgrpo.policies import Flux2KleinPolicy
-    from lit_flowgrpo.tiny.flux2 import build_tiny_flux2
 
-    policy = Flux2KleinPolicy(build_tiny_flux2(tmp_path / "flux2"), dtype="float32", max_sequence_length=16)
+    policy = Flux2KleinPolicy(tiny_flux2_path, dtype="float32", max_sequence_length=16)
     policy.load()
     images = _images()
     x0 = encode_images(policy, images)
@@ -167,23 +170,6 @@ def test_flux2_is_the_reference_image_encoding(tmp_path):
     # Flux2KleinPipeline: patchify, batch-norm statistics, then its _pack_latents
     z = Flux2KleinPipeline._encode_vae_image(pipe, image=vae_pixels(vae, images), generator=None)
     assert torch.equal(x0, pipe._pack_latents(z))
-    assert tuple(x0.shape[1:]) == policy.latent_shape(SIZE, SIZE)
-    assert policy.decode(x0).shape == images.shape
-
-
-@torch.no_grad()
-def test_zimage_is_the_img2img_normalisation(tmp_path):
-    from lit_flowgrpo.policies import ZImagePolicy
-    from lit_flowgrpo.tiny.zimage import build_tiny_zimage
-
-    policy = ZImagePolicy(build_tiny_zimage(tmp_path / "zimage"), dtype="float32", max_sequence_length=16)
-    policy.load()
-    images = _images()
-    x0 = encode_images(policy, images)
-    vae = policy.vae
-    # ZImageImg2ImgPipeline.prepare_latents: (z - shift) * scale, unpacked
-    want = (_mode(vae, vae_pixels(vae, images)) - vae.config.shift_factor) * vae.config.scaling_factor
-    assert torch.equal(x0, want)
     assert tuple(x0.shape[1:]) == policy.latent_shape(SIZE, SIZE)
     assert policy.decode(x0).shape == images.shape
 
