@@ -389,6 +389,13 @@ def test_quickstart_export_carries_its_paired_gain_and_every_field_matches_the_l
     first = next(r for r in rows if r.get("val-core/shapes/strict/mean@1"))
     for key in ("val-core/shapes/strict/mean@1", "val-aux/shapes/partial/mean@1"):
         assert validation["base"]["values"][key] == pytest.approx(float(first[key]), rel=1e-6)
+    # The base model's accuracy per prompt family, as HeldOutReport logged it at step 0.
+    families = {
+        k: float(v) for k, v in first.items() if k.count("/") == 4 and k.startswith("val-aux/shapes/strict/")
+    }
+    assert families, sorted(first)
+    for key, value in families.items():
+        assert validation["base"]["values"][key] == pytest.approx(value, rel=1e-6), key
     tuned_row = _last_row_with(rows, "val-aux/shapes/strict/unscored_count")
     logged = {k: float(v) for k, v in tuned_row.items() if k.startswith(("val-core/", "val-aux/")) and v}
     assert validation["last"] == {"at_rollout": 2, "samples": 16, "values": logged}

@@ -195,7 +195,9 @@ class HeldOutReport(L.Callback):
             self._first = images
             if trainer.sanity_checking:  # Lightning drops what is logged during the sanity check
                 self._log_base(trainer, means, extra)
-        if extra and not trainer.sanity_checking:
+        # Logged in the sanity check too: Lightning passes nothing of it to the loggers (_log_base does),
+        # but callback_metrics holds it until the check ends, where the run card reads the base model's.
+        if extra:
             for key, logged in extra.items():
                 pl_module.log(key, logged, on_step=False, on_epoch=True)
         self._last = images
