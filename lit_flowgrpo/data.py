@@ -26,6 +26,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
+from lit_flowgrpo.conditioning import CONDITION_KEY, Condition, ConditionImages, resolve_condition_paths
 from lit_flowgrpo.distributed import DataParallel
 from lit_flowgrpo.errors import SettingsError
 
@@ -48,6 +49,9 @@ class PromptBatch:
     """(B,) int64 or ``None``: the seed of each sample's initial noise when the samples of a group
     share it (``same_initial_noise``), derived from (seed, step, group id); ``seeds`` then draws only
     the noise of the stochastic steps. ``None``: ``seeds`` draws the initial noise too."""
+    conditions: list[Condition] | None = None
+    """One per sample: the images its record conditions it on (editing sources, a first frame), at their
+    files' size; ``None`` for text-only records (:mod:`lit_flowgrpo.conditioning`)."""
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -214,19 +218,32 @@ class GroupSampler:
 
 class _TrainStream(IterableDataset):
     def __init__(
-        self, records: list[dict[str, Any]], sampler: GroupSampler, start_step: int, same_initial_noise: bool
+        self,
+        records: list[dict[str, Any]],
+        sampler: GroupSampler,
+        start_step: int,
+        same_initial_noise: bool,
+        images: ConditionImages | None = None,
     ) -> None:
         self.records = records
         self.sampler = sampler
         self.start_step = start_step
         self.same_initial_noise = same_initial_noise
+        self.images = images
 
     def __iter__(self) -> Iterator[PromptBatch]:
         step = self.start_step
         while True:
             indices = self.sampler.step_indices(step)
-            yield _make_batch(self.records, *indices, step, self.sampler.seed, self.same_initial_noise)
+            yield _make_batch(
+                self.records, *indices, step, self.sampler.seed, self.same_initial_noise, self.images
+            )
             step += 1
+
+
+def record_metadata(record: dict[str, Any]) -> dict[str, Any]:
+    """What a reward sees of a record besides its prompt (its conditioning images travel apart)."""
+    return {k: v for k, v in record.items() if k not in ("prompt", CONDITION_KEY)}
 
 
 def _make_batch(
@@ -237,9 +254,10 @@ def _make_batch(
     step: int,
     seed: int,
     same_initial_noise: bool = False,
+    images: ConditionImages | None = None,
 ) -> PromptBatch:
     chosen = [records[i] for i in indices]
-    metadata = [{k: v for k, v in r.items() if k != "prompt"} for r in chosen]
+    metadata = [record_metadata(r) for r in chosen]
     seeds = torch.tensor([sample_seed(seed, step, int(s)) for s in sample_ids], dtype=torch.long)
     initial = None
     if same_initial_noise:
@@ -252,6 +270,7 @@ def _make_batch(
         step=step,
         seeds=seeds,
         initial_seeds=initial,
+        conditions=None if images is None else images.conditions(chosen),
     )
 
 
@@ -271,6 +290,7 @@ class _ValSet(IterableDataset):
         world_size: int,
         rank: int,
         seed: int,
+        images: ConditionImages | None = None,
     ) -> None:
         self.records = records
         self.seeds = seeds
@@ -278,6 +298,7 @@ class _ValSet(IterableDataset):
         self.world_size = world_size
         self.rank = rank
         self.seed = seed
+        self.images = images
 
     @property
     def num_samples(self) -> int:
@@ -296,12 +317,13 @@ class _ValSet(IterableDataset):
             chosen = [self.records[i] for i in prompt_idx]
             yield PromptBatch(
                 prompts=[r["prompt"] for r in chosen],
-                metadata=[{k: v for k, v in r.items() if k != "prompt"} for r in chosen],
+                metadata=[record_metadata(r) for r in chosen],
                 group_ids=items % len(self.records),
                 sample_ids=items,
                 step=b,
                 # Validation noise depends only on (seed, sample): the same images every validation.
                 seeds=torch.tensor([sample_seed(self.seed, -1, int(i)) for i in items], dtype=torch.long),
+                conditions=None if self.images is None else self.images.conditions(chosen),
             )
 
 
@@ -373,6 +395,12 @@ class PromptDataModule(L.LightningDataModule):
         self.val_records = read_prompts(val, "--data.init_args.val") if val else []
         if max_val_prompts is not None:
             self.val_records = self.val_records[:max_val_prompts]
+        # Conditioning images (editing sources, first frames): made absolute and their headers read now;
+        # whether the policy takes them is the module's setup's question (conditioning.condition_problems).
+        self.condition_sizes = resolve_condition_paths(self.train_records, train, "--data.init_args.train")
+        if val:
+            self.condition_sizes |= resolve_condition_paths(self.val_records, val, "--data.init_args.val")
+        self.condition_images = ConditionImages() if self.condition_sizes else None
         _check_distinct(self.train_records, prompts_per_step, train)
         self._next_step = 0
 
@@ -403,13 +431,23 @@ class PromptDataModule(L.LightningDataModule):
     def train_stream(self, sampler: GroupSampler, start_step: int) -> IterableDataset:
         """The endless stream of this rank's batches from ``start_step`` on (a subclass adds what its
         records carry to each :class:`PromptBatch`)."""
-        return _TrainStream(self.train_records, sampler, start_step, self.same_initial_noise)
+        return _TrainStream(
+            self.train_records, sampler, start_step, self.same_initial_noise, self.condition_images
+        )
 
     def val_dataloader(self) -> DataLoader | list:
         if not self.val_records:
             return []
         world_size, rank = self._world()
-        valset = _ValSet(self.val_records, self.val_seeds, self.val_batch_size, world_size, rank, self.seed)
+        valset = _ValSet(
+            self.val_records,
+            self.val_seeds,
+            self.val_batch_size,
+            world_size,
+            rank,
+            self.seed,
+            self.condition_images,
+        )
         return DataLoader(valset, batch_size=None, collate_fn=_identity)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

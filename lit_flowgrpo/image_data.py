@@ -27,6 +27,7 @@ from jsonargparse.typing import Path_fr
 from torch import Tensor
 from torch.utils.data import IterableDataset
 
+from lit_flowgrpo.conditioning import CONDITION_KEY, image_header
 from lit_flowgrpo.data import GroupSampler, PromptBatch, PromptDataModule, group_seed, sample_seed
 from lit_flowgrpo.errors import SettingsError
 
@@ -99,6 +100,12 @@ def read_image_records(path: str, flag: str, pairs: bool) -> list[dict[str, Any]
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             problems.append(f'{where} has no string "prompt" field')
             continue
+        if CONDITION_KEY in record:
+            problems.append(
+                f'{where} carries "{CONDITION_KEY}": learning edits or image-to-video from data (SFT, Diffusion-DPO) '
+                "is not supported yet; train conditioned records with an RL objective on PromptDataModule"
+            )
+            continue
         found = _images_of(record, pairs, where)
         if isinstance(found, str):
             problems.append(found)
@@ -161,16 +168,8 @@ def _images_of(record: dict[str, Any], pairs: bool, where: str) -> tuple[str, ..
 
 def _unreadable(file: str) -> str | None:
     """Why ``file`` is not an image PIL can open (its header is read, not its pixels), or ``None``."""
-    from PIL import Image, UnidentifiedImageError
-
-    if not os.path.isfile(file):
-        return f"image {file} does not exist"
-    try:
-        with Image.open(file) as image:
-            image.size  # noqa: B018  (the header is parsed here)
-    except (OSError, UnidentifiedImageError) as err:
-        return f"image {file} cannot be read ({type(err).__name__}: {err})"
-    return None
+    found = image_header(file)
+    return found if isinstance(found, str) else None
 
 
 def load_image(file: str, height: int, width: int) -> Tensor:

@@ -23,6 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lit_flowgrpo.advantages import AdvantageSettings, KLGateController
+from lit_flowgrpo.conditioning import conditioning_problems, record_sets, sources_of
 from lit_flowgrpo.data import PromptBatch
 from lit_flowgrpo.data_batch import DataBatch, beside_rollout, data_problems, data_step, stage_timings
 from lit_flowgrpo.distributed import DataParallel
@@ -178,11 +179,9 @@ class FlowGRPOModule(L.LightningModule):
         if dm is not None and stage == "fit" and hasattr(dm, "samples_per_step"):
             problems += self.update.batch_problems(dm.samples_per_step, dp.size)
         if dm is not None and isinstance(self.reward, MultiReward):
-            parts = {"--data.init_args.train": "train_records", "--data.init_args.val": "val_records"}
-            problems += self.reward.prompt_problems(
-                {f: list(getattr(dm, a, None) or []) for f, a in parts.items()}
-            )
+            problems += self.reward.prompt_problems(record_sets(dm))
         problems += data_problems(self.objective, self.sampler, dm, self.weights.lora is None, self.kl)
+        problems += conditioning_problems(self.policy, self.reward, self.sampler, dm)
         problems += strategy_problems(
             self.trainer, dm, self.performance, offload_reference=self.kl.reference.offload
         )
@@ -232,7 +231,7 @@ class FlowGRPOModule(L.LightningModule):
         clock.begin("gen")
         if self.objective.learns_from in ("data", "data_pairs"):  # SFT, offline DPO: images, no rollout
             return data_step(self.policy, batch, clock, self._update, self._log_step, self.objective)
-        embeds = self.policy.encode_prompts(batch.prompts)
+        embeds = self.sampler.encode(self.policy, batch.prompts, batch.conditions)  # at the rollout's size
         # Each chunk is scored as it is decoded (the reward's `overlap`): "reward" is the wait after it.
         with RewardQueue.for_batch(self.reward, batch, self.data_parallel) as scores:
             # The objective's sampling policy (DiffusionNFT's old policy; else the trained weights).
@@ -381,8 +380,8 @@ class FlowGRPOModule(L.LightningModule):
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> ValidationOutput:
         with self.performance.sampling_weights(*self.policy.trainable_networks):
-            images = self.sampler.evaluate(self.policy, list(batch.prompts), batch.seeds)
-        rewards = self.reward(images, list(batch.prompts), list(batch.metadata))
+            images = self.sampler.evaluate(self.policy, list(batch.prompts), batch.seeds, batch.conditions)
+        rewards = self.reward(images, list(batch.prompts), list(batch.metadata), sources=sources_of(batch))
         for name, key in self.validation.update(rewards.components, self.device):
             # The reward declares which components are accuracy (val-core/) and which are not (val-aux/).
             mean_key, unscored_key = self.reward.validation_keys(name)

@@ -18,6 +18,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
+from lit_flowgrpo.conditioning import Condition
 from lit_flowgrpo.policies.base import Embeds, FlowPolicy, index_embeds, latent_shape_of
 from lit_flowgrpo.sde import SDEStep, SDEType, sde_step_with_logprob
 
@@ -217,6 +218,13 @@ class Sampler:
         window = list(range(begin, begin + self.sde_window_size))
         return window, window
 
+    def encode(
+        self, policy: FlowPolicy, prompts: Sequence[str], conditions: Sequence[Condition] | None = None
+    ) -> Embeds:
+        """The rollout's conditioning: ``policy.encode`` of the prompts and their records' images (``None``:
+        text-only) for samples of the rollout's size."""
+        return policy.encode(prompts, conditions, self.height, self.width, self.frames)
+
     def rollout(
         self,
         policy: FlowPolicy,
@@ -292,6 +300,7 @@ class Sampler:
         policy: FlowPolicy,
         prompts: Sequence[str],
         seeds: Tensor,
+        conditions: Sequence[Condition] | None = None,
         *,
         noise_device: torch.device | str | None = None,
         to_cpu: bool = False,
@@ -303,6 +312,7 @@ class Sampler:
             policy: the model family.
             prompts: one per sample.
             seeds: (B,) per-sample noise seeds.
+            conditions: one per sample, the images its record conditions it on (``None``: text-only).
             noise_device: where the initial noise is drawn (``"cpu"`` makes the samples independent
                 of the device); ``None``: the policy's device, as the training rollout.
             to_cpu: move each chunk's images to the host as it is done (long evaluations).
@@ -314,9 +324,16 @@ class Sampler:
             generators = per_sample_generators(seeds[rows], noise_device or device)
             shape = latent_shape_of(policy, height, width, self.eval_frame_count)
             noise = initial_noise(shape, generators, device)
+            embeds = policy.encode(
+                list(prompts[rows]),
+                None if conditions is None else list(conditions[rows]),
+                height,
+                width,
+                self.eval_frame_count,
+            )
             traj = sample_trajectory(
                 policy,
-                policy.encode_prompts([prompts[i] for i in range(rows.start, rows.stop)]),
+                embeds,
                 noise,
                 policy.sigmas(self.eval_num_steps, height, width),
                 guidance_scale=self.eval_guidance,

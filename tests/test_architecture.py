@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "tiny": 1,
     "performance": 1,
     "data": 1,
+    "conditioning": 1,
     "image_data": 1,
     "diversity": 1,
     "kl": 1,

@@ -112,6 +112,10 @@ class Pixels:
     def encode_prompts(self, prompts: list[str]) -> dict:
         return {"scale": torch.linspace(0.5, 2.0, len(prompts))}
 
+    def encode(self, prompts: list[str], conditions=None, height=0, width=0, frames=1) -> dict:
+        assert conditions is None  # a text-only family (FlowPolicy.encode)
+        return self.encode_prompts(prompts)
+
     def decode(self, latents: Tensor) -> Tensor:
         return latents.repeat_interleave(4, dim=-1).repeat_interleave(4, dim=-2).sigmoid()
 

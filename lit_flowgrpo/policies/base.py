@@ -29,6 +29,7 @@ from packaging.version import Version
 from torch import Tensor, nn
 
 from lit_flowgrpo.attention import AttentionShape
+from lit_flowgrpo.conditioning import Condition
 
 Embeds = dict[str, Tensor]
 """Prompt conditioning: every tensor is batch-first, one row per prompt."""
@@ -303,6 +304,12 @@ class FlowPolicy(nn.Module, ABC):
     #: The latent decoder (a diffusers VAE), registered as a submodule by :meth:`load`; ``None`` for a
     #: family without one (it decodes in pixel space) or before loading.
     vae: nn.Module | None
+    #: How many conditioning images a record gives this family, (fewest, most): (0, 0) for text only;
+    #: an editing family (1, 1) or more, image-to-video (1, 1). Checked against the records before load
+    #: (:func:`lit_flowgrpo.conditioning.condition_problems`).
+    condition_images: tuple[int, int] = (0, 0)
+    #: What the messages call one conditioning image ("source image", "first frame").
+    condition_name: str = "conditioning image"
 
     def __init__(self) -> None:
         super().__init__()
@@ -403,6 +410,55 @@ class FlowPolicy(nn.Module, ABC):
     @abstractmethod
     def encode_prompts(self, prompts: Sequence[str]) -> Embeds:
         """Conditioning for ``prompts`` (no grad), cached per unique prompt. Batch-first tensors."""
+
+    def encode(
+        self,
+        prompts: Sequence[str],
+        conditions: Sequence[Condition] | None = None,
+        height: int = 512,
+        width: int = 512,
+        frames: int = 1,
+    ) -> Embeds:
+        """Conditioning for ``prompts``, and for their records' images where they have any: what the loop
+        calls. :meth:`encode_prompts` for text-only records (``conditions`` ``None``), else
+        :meth:`encode_conditioned` for outputs of ``height`` x ``width`` (and ``frames``)."""
+        if conditions is None:
+            if self.condition_images[0] > 0:
+                raise ValueError(
+                    f"{type(self).__name__} needs {self.condition_name}s: give the records "
+                    '"condition_images" (the data module\'s records)'
+                )
+            return self.encode_prompts(prompts)
+        if len(conditions) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(conditions)} conditions: one per sample")
+        return self.encode_conditioned(prompts, conditions, height, width, frames)
+
+    def encode_conditioned(
+        self,
+        prompts: Sequence[str],
+        conditions: Sequence[Condition],
+        height: int,
+        width: int,
+        frames: int = 1,
+    ) -> Embeds:
+        """Conditioning for ``prompts`` and their records' images, one row per sample, for outputs of
+        ``height`` x ``width`` (and ``frames``) (no grad).
+
+        Everything the family conditions on goes into the returned batch-first tensors (source latents,
+        image-encoder states, a negative prompt's rows when they depend on the source), so that the
+        rollout, the update's visits and the balancing of rows over ranks carry it as they carry a prompt's;
+        :meth:`velocity` reads it from there. The images arrive at their files' size: a family resizes them
+        as its diffusers pipeline does for the output size. Families that take conditioning images override
+        this (with :attr:`condition_images` above (0, 0))."""
+        raise NotImplementedError(
+            f"{type(self).__name__} takes no conditioning images: it is a text-only policy; choose an editing "
+            "or image-to-video policy for records with condition_images"
+        )
+
+    def condition_size_problems(self, width: int, height: int, out_height: int, out_width: int) -> list[str]:
+        """Why a conditioning image of ``width`` x ``height`` pixels cannot condition outputs of ``out_height``
+        x ``out_width`` (empty when it can), found before :meth:`load`. The default takes any size."""
+        return []
 
     @abstractmethod
     def velocity(self, latents: Tensor, sigma: Tensor, embeds: Embeds, guidance_scale: float) -> Tensor:

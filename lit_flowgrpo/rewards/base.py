@@ -31,6 +31,11 @@ Optional attributes a reward may carry:
   the policy. It then never runs in a worker thread: neither beside the other rewards nor beside the
   sampler; the training step scores it on the whole batch once the rollout is done. Without the
   attribute a reward may be called from a worker thread (never from two threads at once);
+- ``uses_sources``: ``True`` for a reward that sees the images a sample was conditioned on (an edit's
+  source, a video's first frame): it is called ``reward(images, prompts, metadata, sources=sources)``,
+  ``sources`` one list per sample of (3, H, W) fp32 tensors in [0, 1] at their files' size (read through
+  :func:`uses_sources`); on text-only data each sample's list is empty. ``needs_sources``: ``True`` for one
+  that cannot score without them (refused at setup on text-only data);
 - ``scores_groups``: ``True`` for a reward that scores whole groups (a win rate or a rank within the
   group), the one exception to the per-sample rule. It is called with every member of its groups and
   their ids, assembled across ranks, once the rollout is done (:mod:`lit_flowgrpo.rewards.group`,
@@ -162,6 +167,16 @@ def thread_safe(reward: Any) -> bool:
 def scores_groups(reward: Any) -> bool:
     """Whether ``reward`` scores whole groups (its ``scores_groups`` attribute; default no)."""
     return getattr(reward, "scores_groups", False) is True
+
+
+def uses_sources(reward: Any) -> bool:
+    """Whether ``reward`` takes the samples' conditioning images (its ``uses_sources``; default no)."""
+    return getattr(reward, "uses_sources", False) is True or needs_sources(reward)
+
+
+def needs_sources(reward: Any) -> bool:
+    """Whether ``reward`` cannot score without conditioning images (its ``needs_sources``; default no)."""
+    return getattr(reward, "needs_sources", False) is True
 
 
 def reward_modalities(reward: Any) -> frozenset[str]:
@@ -367,8 +382,14 @@ class MultiReward:
                         f"sample {i} lacks {missing}: use a prompt file that carries them, or drop {name!r}"
                     )
 
-    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> RewardOutput:
-        return self.combine(self.score(images, prompts, metadata), images.shape[0])
+    def __call__(
+        self,
+        images: Tensor,
+        prompts: Sequence[str],
+        metadata: Sequence[dict],
+        sources: Sequence[Sequence[Tensor]] | None = None,
+    ) -> RewardOutput:
+        return self.combine(self.score(images, prompts, metadata, sources=sources), images.shape[0])
 
     def score(
         self,
@@ -376,15 +397,20 @@ class MultiReward:
         prompts: Sequence[str],
         metadata: Sequence[dict],
         names: Collection[str] | None = None,
+        sources: Sequence[Sequence[Tensor]] | None = None,
     ) -> dict[str, Scored]:
         """Run the rewards ``names`` (default: all) on one batch; ``{name: Scored}`` in reward order.
 
         Each output is checked where it is produced. Thread-safe rewards run concurrently in up to
         ``max_workers`` threads, the others in the calling thread. An exception a reward raises
-        propagates, with a note naming the reward.
+        propagates, with a note naming the reward. ``sources``: each sample's conditioning images, given
+        to the rewards that declare ``uses_sources`` (``None``: text-only samples, an empty list each).
         """
         batch = images.shape[0]
         prompts, metadata = list(prompts), list(metadata)
+        given = [[] for _ in range(batch)] if sources is None else [list(s) for s in sources]
+        if len(given) != batch:
+            raise ValueError(f"{batch} images but {len(given)} samples' sources: one list per sample")
         chosen = [(n, r) for n, r in self.rewards.items() if names is None or n in names]
         # An image reward given videos would fail deep inside its model, or read frames as channels.
         problems = modality_problems(dict(chosen), "video" if images.ndim == 5 else "image")
@@ -396,7 +422,10 @@ class MultiReward:
                 return Scored({self._key(name, None): torch.full((batch,), torch.nan)}, 0.0)
             start = time.perf_counter()
             try:
-                value = reward(images, prompts, metadata)
+                if uses_sources(reward):
+                    value = reward(images, prompts, metadata, sources=given)
+                else:
+                    value = reward(images, prompts, metadata)
             except Exception as err:
                 note(err, f"raised by reward {name!r} ({qualname(reward)})")
                 raise

@@ -79,6 +79,8 @@ class RewardQueue:
         group_ids: (B,) the group of each sample, for the rewards that score whole groups (without
             them such a reward is NaN).
         dp: the data-parallel peers those groups are spread over (``None``: this process alone).
+        sources: the whole batch's conditioning images, one list per sample (``None``: text-only), for the
+            rewards that declare ``uses_sources``.
     """
 
     def __init__(
@@ -88,9 +90,11 @@ class RewardQueue:
         metadata: Sequence[dict],
         group_ids: Tensor | None = None,
         dp: DataParallel | None = None,
+        sources: Sequence[Sequence[Tensor]] | None = None,
     ) -> None:
         self.reward = reward
         self.prompts, self.metadata = list(prompts), list(metadata)
+        self.sources = None if sources is None else list(sources)
         self.group_ids, self.dp = group_ids, dp or DataParallel()
         overlap = bool(getattr(reward, "overlap", False))
         #: The rewards scored chunk by chunk in the worker; the others wait for :meth:`result`.
@@ -115,8 +119,11 @@ class RewardQueue:
 
     @classmethod
     def for_batch(cls, reward: MultiReward, batch: Any, dp: DataParallel) -> RewardQueue:
-        """The queue of a training step's ``batch`` (its prompts, metadata and group ids) on ``dp``."""
-        return cls(reward, batch.prompts, batch.metadata, batch.group_ids, dp)
+        """The queue of a training step's ``batch`` (its prompts, metadata, group ids and conditioning
+        images) on ``dp``."""
+        conditions = getattr(batch, "conditions", None)
+        sources = None if conditions is None else [c.images for c in conditions]
+        return cls(reward, batch.prompts, batch.metadata, batch.group_ids, dp, sources)
 
     def __enter__(self) -> RewardQueue:
         return self
@@ -170,7 +177,11 @@ class RewardQueue:
             for n in self.reward.rewards
             if (not parts or n not in self.overlapped) and n not in self.grouped
         ]
-        scored = self.reward.score(images, self.prompts, self.metadata, names=later) if later else {}
+        scored = (
+            self.reward.score(images, self.prompts, self.metadata, names=later, sources=self.sources)
+            if later
+            else {}
+        )
         for name in self.grouped:  # a collective each, in the same order on every rank
             reward = self.reward.rewards[name]
             inputs = _prepared(name, [chunk for _, chunk in done]) if done and name in self.prepared else None
@@ -191,11 +202,12 @@ class RewardQueue:
 
     def _score(self, rows: slice, images: Tensor, ready: torch.cuda.Event | None) -> _Chunk:
         prompts, metadata = self.prompts[rows], self.metadata[rows]
+        sources = None if self.sources is None else self.sources[rows]
         try:
             with torch.no_grad(), _after(ready, images.device), contextlib.ExitStack() as autocast:
                 for device_type, dtype in self._autocast:
                     autocast.enter_context(torch.autocast(device_type, dtype=dtype))
-                scored = self.reward.score(images, prompts, metadata, names=self.overlapped)
+                scored = self.reward.score(images, prompts, metadata, names=self.overlapped, sources=sources)
                 inputs = {}
                 for name in self.prepared:  # its failure waits for score_groups, which every rank reaches
                     start = time.perf_counter()
