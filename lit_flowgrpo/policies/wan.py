@@ -46,6 +46,7 @@ from lit_flowgrpo.policies.base import (
     check_family,
     check_pretrained,
     checked_sigmas,
+    index_embeds,
     load_pipeline,
     resolve_dtype,
     vae_pixels,
@@ -250,9 +251,7 @@ class WanPolicy(FlowPolicy):
         problems = self.problems()
         if problems:
             raise ValueError("; ".join(problems))
-        # One dtype for every component but the VAE (diffusers reads a {component: dtype} mapping).
-        dtypes = {"default": resolve_dtype(self.dtype_name), "vae": resolve_dtype(self.vae_dtype_name)}
-        pipe = load_pipeline(self, dtypes, PRETRAINED_FLAG)
+        pipe = load_pipeline(self, self._component_dtypes(), PRETRAINED_FLAG)
         if pipe.transformer is None:
             raise ValueError(
                 f"{PRETRAINED_FLAG} ({self.pretrained}): this WanPipeline has no `transformer` (a low-noise "
@@ -269,6 +268,10 @@ class WanPolicy(FlowPolicy):
         self.vae = pipe.vae
         self.text_encoder = pipe.text_encoder
         self.pipe = pipe
+
+    def _component_dtypes(self) -> dict[str, torch.dtype]:
+        """One dtype for every component but the VAE (diffusers reads a {component: dtype} mapping)."""
+        return {"default": resolve_dtype(self.dtype_name), "vae": resolve_dtype(self.vae_dtype_name)}
 
     @property
     def transformer(self) -> nn.Module:
@@ -319,7 +322,7 @@ class WanPolicy(FlowPolicy):
         timestep = timestep * self.pipe.scheduler.config.num_train_timesteps  # the pipeline's t
         boundary = self.boundary_timestep
         if boundary is None:
-            return self._guided(self.transformer, latents, timestep, embeds["prompt_embeds"], guidance_scale)
+            return self._guided(self.transformer, latents, timestep, embeds, guidance_scale)
         high = timestep >= boundary  # (B,) as the pipeline compares its t
         low_scale = (
             guidance_scale if self.guidance_scale_2 is None or guidance_scale <= 1 else self.guidance_scale_2
@@ -327,12 +330,12 @@ class WanPolicy(FlowPolicy):
         parts = [(high, self.transformer, guidance_scale), (~high, self._transformer_2, low_scale)]
         if bool(high.all()) or not bool(high.any()):
             mask, network, scale = parts[0] if bool(high.all()) else parts[1]
-            return self._guided(network, latents, timestep, embeds["prompt_embeds"], scale)
+            return self._guided(network, latents, timestep, embeds, scale)
         # A batch that straddles the boundary (DiffusionNFT's random noise levels): each expert its rows.
         out = torch.empty(latents.shape, dtype=torch.float32, device=latents.device)
         for mask, network, scale in parts:
             out[mask] = self._guided(
-                network, latents[mask], timestep[mask], embeds["prompt_embeds"][mask], scale
+                network, latents[mask], timestep[mask], index_embeds(embeds, mask), scale
             )
         return out
 
@@ -341,13 +344,14 @@ class WanPolicy(FlowPolicy):
         network: nn.Module,
         latents: Tensor,
         timestep: Tensor,
-        prompt_embeds: Tensor,
+        embeds: Embeds,
         guidance_scale: float,
     ) -> Tensor:
+        """One expert's guided velocity for these rows (``embeds``: their conditioning)."""
         dtype = self.input_dtype(network)
         batch = latents.shape[0]
         cfg = guidance_scale > 1.0
-        x, t, cond = latents, timestep, prompt_embeds
+        x, t, cond = latents, timestep, embeds["prompt_embeds"]
         if cfg:  # one batched forward: [cond; uncond]
             neg = self.encode_prompts([self.negative_prompt])["prompt_embeds"].to(cond.device)
             x, t = torch.cat([x, x]), torch.cat([t, t])

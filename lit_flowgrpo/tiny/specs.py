@@ -238,6 +238,78 @@ SPECS["wan22a14b"] = dict(
     experts=2,
     boundary_ratio=0.875,
 )
+# Wan-AI/Wan2.1-I2V-14B-480P-Diffusers: the 14B transformer with the image conditioning (transformer/
+# config.json: 36 channels in = 16 latent + 4 mask + 16 first-frame latent, 16 out; CLIP cross-attention
+# of image_dim 1280 states projected to added_kv_proj_dim 5120), its CLIP ViT-H/14 image encoder
+# (image_encoder/config.json, CLIPVisionModel; the penultimate layer's 257 x 1280 states condition) and
+# image processor (image_processor/preprocessor_config.json); VAE and text as the 14B T2V's; flow_shift
+# 3.0 (scheduler/scheduler_config.json; 5.0 in the 720P folder).
+SPECS["wan21_i2v_14b_480p"] = dict(
+    SPECS["wan14b"],
+    pipeline="WanImageToVideoPipeline",
+    transformer=dict(SPECS["wan14b"]["transformer"], in_channels=36, image_dim=1280, added_kv_proj_dim=5120),
+    image_encoder=dict(
+        hidden_size=1280,
+        intermediate_size=5120,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        image_size=224,
+        patch_size=14,
+        projection_dim=1024,
+        hidden_act="gelu",
+    ),
+    image_processor=dict(
+        do_resize=True,
+        size={"shortest_edge": 224},
+        resample=3,
+        do_center_crop=True,
+        crop_size={"height": 224, "width": 224},
+        do_rescale=True,
+        rescale_factor=1 / 255,
+        do_normalize=True,
+        image_mean=[0.48145466, 0.4578275, 0.40821073],
+        image_std=[0.26862954, 0.26130258, 0.27577711],
+        do_convert_rgb=True,
+    ),
+)
+# Wan-AI/Wan2.2-TI2V-5B-Diffusers: 30 blocks of 24 x 128 = 3072 wide, FFN 14336, 48 channels in and out
+# (transformer/config.json, no image encoder); Wan 2.2's VAE (vae/config.json: 16x in space, 2x2 pixel
+# patches of 12 channels, residual blocks, 48 latent channels); expand_timesteps (model_index.json: one
+# timestep per token, 0 on a given first frame); flow_shift 5.0 (scheduler/scheduler_config.json).
+_WAN22_LATENTS_MEAN = [-0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813, 0.0891, 0.157, -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502, -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.123, -0.0313, -0.1649, 0.0117, 0.0723, -0.2839, -0.2083, -0.052, 0.3748, 0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667]  # fmt: skip
+_WAN22_LATENTS_STD = [0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.499, 0.4818, 0.5013, 0.8158, 1.0344, 0.5894, 1.0901, 0.6885, 0.6165, 0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659, 0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.06, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744]  # fmt: skip
+SPECS["wan22_ti2v_5b"] = dict(
+    SPECS["wan1p3b"],
+    pipeline="WanImageToVideoPipeline",
+    transformer=dict(
+        SPECS["wan1p3b"]["transformer"],
+        num_attention_heads=24,
+        in_channels=48,
+        out_channels=48,
+        ffn_dim=14336,
+        num_layers=30,
+    ),
+    vae=dict(
+        base_dim=160,
+        decoder_base_dim=256,
+        z_dim=48,
+        dim_mult=[1, 2, 4, 4],
+        num_res_blocks=2,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],
+        dropout=0.0,
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
+        latents_mean=_WAN22_LATENTS_MEAN,
+        latents_std=_WAN22_LATENTS_STD,
+    ),
+    scheduler=dict(SPECS["wan1p3b"]["scheduler"], flow_shift=5.0),
+    expand_timesteps=True,
+)
 
 # FLUX.2 (diffusers ``Flux2Transformer2DModel``): the transformer configs of diffusers
 # ``scripts/convert_flux2_to_diffusers.py`` (``get_flux2_transformer_config``), which writes each hub
