@@ -275,6 +275,7 @@ class FlowGRPOModule(L.LightningModule):
             keep=keep,
             trained_sample_ids=done.trained,
             kept_per_rank=done.kept_per_rank,
+            sources=sources_of(batch),
         )
 
     @property
@@ -395,6 +396,7 @@ class FlowGRPOModule(L.LightningModule):
             prompts=list(batch.prompts),
             rewards=rewards.components,
             sample_ids=batch.sample_ids,
+            sources=sources_of(batch),
         )
 
     # ----------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any, TypedDict
 
 import torch
 from torch import Tensor
+from typing_extensions import NotRequired
 
 #: Stages of one training step, in the order they run (``timing_s/<stage>``).
 STAGES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "step")
@@ -88,6 +89,9 @@ class StepOutput(TypedDict):
     other ranks)."""
     kept_per_rank: list[int]
     """Samples each rank trained (after ``balance_load``)."""
+    sources: NotRequired[list[list[Tensor]] | None]
+    """Each sample's conditioning images ((3, h, w) in [0, 1]: an edit's source, a first frame), or ``None``
+    for text-only records."""
 
 
 class ValidationOutput(TypedDict):
@@ -101,3 +105,5 @@ class ValidationOutput(TypedDict):
     sample_ids: Tensor
     """(B,) the validation sample each row is (a fixed (prompt, seed) pair): the same id is the same
     prompt and noise in every validation, so validations compare sample by sample."""
+    sources: NotRequired[list[list[Tensor]] | None]
+    """Each sample's conditioning images, or ``None`` for text-only records."""

@@ -21,6 +21,8 @@ from lightning.pytorch.loggers import CSVLogger
 from PIL import Image
 
 from lit_flowgrpo import FlowGRPOModule, PromptDataModule, Sampler, UpdateSettings, WeightsSettings
+from lit_flowgrpo.callbacks import SampleImageLogger
+from lit_flowgrpo.callbacks.images import beside_sources
 from lit_flowgrpo.conditioning import CONDITION_KEY, Condition, read_rgb
 from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.policies.base import cat_embeds
@@ -48,7 +50,9 @@ class SourceToyPolicy(ToyPolicy):
         rows = []
         for c in conditions:
             self.encoded.append(c.key)
-            mean = torch.stack([F.interpolate(i[None], size=(height, width), mode="area")[0] for i in c.images])
+            mean = torch.stack(
+                [F.interpolate(i[None], size=(height, width), mode="area")[0] for i in c.images]
+            )
             rows.append({"source": mean.mean(0, keepdim=True)})
         return {**self.encode_prompts(prompts), **cat_embeds(rows)}
 
@@ -68,7 +72,9 @@ def _records(tmp_path: Path, name: str, n: int, *, images: int = 1, size=(32, 32
     prompts = ["a red circle", "a blue square", "two green triangles", "a yellow circle"]
     lines = []
     for i in range(n):
-        files = [_png(tmp_path / f"{name}_{i}_{j}.png", (40 * i, 200 - 30 * j, 90), size) for j in range(images)]
+        files = [
+            _png(tmp_path / f"{name}_{i}_{j}.png", (40 * i, 200 - 30 * j, 90), size) for j in range(images)
+        ]
         lines.append(json.dumps({"prompt": prompts[i % 4], CONDITION_KEY: files, "tag": "single_object"}))
     path = tmp_path / f"{name}.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -96,7 +102,9 @@ def _module(policy, reward, **sampler) -> FlowGRPOModule:
     return FlowGRPOModule(
         policy=policy,
         reward=reward,
-        sampler=Sampler(**{**dict(num_steps=3, eval_num_steps=2, guidance_scale=1.0, height=32, width=32), **sampler}),
+        sampler=Sampler(
+            **{**dict(num_steps=3, eval_num_steps=2, guidance_scale=1.0, height=32, width=32), **sampler}
+        ),
         update=UpdateSettings(micro_batch_size=4),
         weights=WeightsSettings(lora=None),
     )
@@ -104,6 +112,7 @@ def _module(policy, reward, **sampler) -> FlowGRPOModule:
 
 def _fit(module, dm, tmp_path, steps=1):
     trainer = L.Trainer(
+        callbacks=[SampleImageLogger(every_n_steps=1, max_images=4)],
         max_steps=steps,
         accelerator="cpu",
         logger=CSVLogger(tmp_path),
@@ -200,9 +209,13 @@ def test_a_conditioned_policy_refuses_text_only_records_too_many_images_and_smal
     text.write_text("a red circle\na blue square\n")
     msg = _setup_problems(tmp_path, SourceToyPolicy(), {"shapes": 1.0}, text)
     assert "gives 0 condition_images" in msg and "takes 1 to 2 source image(s)" in msg
-    msg = _setup_problems(tmp_path, SourceToyPolicy(), {"shapes": 1.0}, _records(tmp_path, "three", 2, images=3))
+    msg = _setup_problems(
+        tmp_path, SourceToyPolicy(), {"shapes": 1.0}, _records(tmp_path, "three", 2, images=3)
+    )
     assert "gives 3 condition_images" in msg
-    msg = _setup_problems(tmp_path, SourceToyPolicy(), {"shapes": 1.0}, _records(tmp_path, "s", 2, size=(4, 4)))
+    msg = _setup_problems(
+        tmp_path, SourceToyPolicy(), {"shapes": 1.0}, _records(tmp_path, "s", 2, size=(4, 4))
+    )
     assert "4x4 is smaller than 8x8" in msg and "source image" in msg
 
 
@@ -237,9 +250,7 @@ def test_the_encode_entry_point_dispatches_and_refuses_missing_conditions():
 def test_a_conditioned_fit_carries_each_samples_source_everywhere(tmp_path):
     train = _records(tmp_path, "train", 4)
     val = _records(tmp_path, "val", 2)
-    dm = PromptDataModule(
-        train=str(train), val=str(val), prompts_per_step=2, group_size=2, val_batch_size=2
-    )
+    dm = PromptDataModule(train=str(train), val=str(val), prompts_per_step=2, group_size=2, val_batch_size=2)
     reward = SourceBrightness()
     policy = SourceToyPolicy()
     module = _module(policy, MultiReward({"src": 1.0}, rewards={"src": reward}))
@@ -261,3 +272,25 @@ def test_a_conditioned_fit_carries_each_samples_source_everywhere(tmp_path):
     two = [Condition([torch.zeros(3, 32, 32)], "black"), Condition([torch.ones(3, 32, 32)], "white")]
     images = module.sampler.evaluate(policy, ["a red circle"] * 2, seeds, conditions=two)
     assert not torch.equal(images[0], images[1])
+    # The sample logger showed each sample after its source: the grids of the rollout and of validation.
+    logged = sorted(p.name for p in tmp_path.rglob("images/*.png"))
+    assert any(n.startswith("train_samples") for n in logged) and any(
+        n.startswith("val_samples") for n in logged
+    )
+
+
+def test_samples_are_shown_after_their_sources():
+    images = torch.rand(2, 3, 8, 8)
+    src = [[torch.ones(3, 16, 16)], [torch.zeros(3, 4, 4), torch.full((3, 8, 8), 0.5)]]
+    shown = beside_sources(images, src)
+    assert shown.shape == (2, 3, 8, 24)  # the widest record: two sources and the sample
+    assert torch.equal(shown[0, :, :, 16:], images[0]) and torch.equal(
+        shown[0, :, :, 8:16], torch.ones(3, 8, 8)
+    )
+    assert torch.equal(shown[0, :, :, :8], torch.zeros(3, 8, 8))  # padded left
+    assert torch.equal(shown[1, :, :, 8:16], torch.full((3, 8, 8), 0.5)) and torch.equal(
+        shown[1, :, :, 16:], images[1]
+    )
+    assert beside_sources(images, None) is images
+    video = torch.rand(2, 5, 3, 8, 8)
+    assert beside_sources(video, src) is video

@@ -40,8 +40,10 @@ class SampleImageLogger(Callback):
     what ``validation_step`` returns (``rewards`` is a dict of named components), under
     ``val/samples``, and (``log_table``) a table of the same samples, one row each: image, prompt and
     every reward component, under ``val/samples_table`` (as TRL's and veRL's generation tables).
-    Rank 0 only; sanity checking is skipped. Images may stay on the module's device: only those
-    logged are copied to the host, on the steps they are logged.
+    Samples with conditioning images (an edit's source, a video's first frame) are shown after them,
+    source | result, in each grid and table (:func:`beside_sources`). Rank 0 only; sanity checking is
+    skipped. Images may stay on the module's device: only those logged are copied to the host, on the
+    steps they are logged.
 
     Videos: when the step returns ``images`` of shape (B, F, 3, H, W), the same samples are logged as
     animated GIFs (Pillow: no video library needed; :mod:`lit_flowgrpo.callbacks.videos`) at ``fps``,
@@ -108,8 +110,9 @@ class SampleImageLogger(Callback):
             return
         samples = _Samples()
         rewards = out.get("rewards")
+        images = beside_sources(out["images"], out.get("sources"))
         samples.add(
-            out["images"], out.get("prompts"), {} if rewards is None else {"reward": rewards}, self.max_images
+            images, out.get("prompts"), {} if rewards is None else {"reward": rewards}, self.max_images
         )
         self._log_pixels(trainer, "train/samples", samples.stacked(), samples.captions(), step)
 
@@ -132,7 +135,8 @@ class SampleImageLogger(Callback):
         room = self.max_images - len(self._val)
         if not self.log_validation or trainer.sanity_checking or room <= 0 or out.get("images") is None:
             return
-        self._val.add(out["images"], out.get("prompts"), as_mapping(out.get("rewards")), room)
+        images = beside_sources(out["images"], out.get("sources"))
+        self._val.add(images, out.get("prompts"), as_mapping(out.get("rewards")), room)
 
     @override
     @rank_zero_only
@@ -307,6 +311,24 @@ def _caption(prompt: str, rewards: Mapping[str, float]) -> str:
     """
     parts = [f"{k}={v:.4g}" if math.isfinite(v) else f"{k}=nan (failed)" for k, v in rewards.items()]
     return " | ".join([prompt, *parts])
+
+
+def beside_sources(images: Tensor, sources: Sequence[Sequence[Tensor]] | None) -> Tensor:
+    """Images of conditioned samples shown after their sources: (B, 3, H, (n + 1)·W), each of a sample's n
+    conditioning images resized to (H, W) (area interpolation) left of it. Text-only samples (``sources``
+    ``None``) and videos come back as they are."""
+    if not sources or images.ndim != 4 or not any(len(s) for s in sources):
+        return images
+    height, width = images.shape[-2:]
+    rows = []
+    for image, own in zip(images, sources, strict=True):
+        shown = [
+            torch.nn.functional.interpolate(s[None].to(image), size=(height, width), mode="area")[0]
+            for s in own
+        ]
+        rows.append(torch.cat([*shown, image], dim=-1))
+    widest = max(r.shape[-1] for r in rows)  # a record with fewer sources is padded on the left, black
+    return torch.stack([torch.nn.functional.pad(r, (widest - r.shape[-1], 0)) for r in rows])
 
 
 def _to_uint8(images: Tensor) -> Tensor:
