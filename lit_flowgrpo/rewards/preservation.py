@@ -184,14 +184,6 @@ class PreservationReward:
         self.processor: Any = None
         self._masks: OrderedDict[str, Image.Image] = OrderedDict()
 
-    @classmethod
-    def from_modules(cls, model: torch.nn.Module, processor: Any, **kwargs: Any) -> PreservationReward:
-        """The term with ``feature`` from a vision model and image processor already built (Python use)."""
-        reward = cls(model=type(model).__name__, **kwargs)
-        reward.model = model.eval().requires_grad_(False)
-        reward.processor = processor
-        return reward
-
     def load(self) -> None:
         """Read the feature model's weights (``from_pretrained``); called on first use."""
         if self.model is not None or self.model_name is None:

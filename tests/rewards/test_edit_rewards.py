@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tolerances import EPS32, depth, network_atol
 
 from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.rewards.base import MultiReward, needs_sources, uses_sources
 from lit_flowgrpo.rewards.edit import EditJudgeReward, fit_within
 from lit_flowgrpo.rewards.images import to_numpy_hwc
 from lit_flowgrpo.rewards.preservation import PreservationReward, resized_source
-from tests.tolerances import EPS32, depth, network_atol
 
 PROMPTS = ["make the sky red", "put the cat on the sofa", "FAIL remove the tree"]
 
