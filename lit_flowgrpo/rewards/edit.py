@@ -28,8 +28,8 @@ components are logged apart, so a run may weight them as it likes (``edit_judge/
 ``edit_judge/preservation``, ``edit_judge/quality`` in ``weights``).
 
 EditReward (TIGER-AI-Lab/EditReward) is a reward model with a trained score head, not a chat judge: it
-answers no chat completion. Serve it behind ``lit-flowgrpo serve-reward`` as a registered reward of your
-own that declares ``uses_sources`` to use it.
+answers no chat completion. Register it as a reward of your own that declares ``uses_sources``, in the
+training process: the ``served`` client and ``lit-flowgrpo serve-reward`` carry no sources yet.
 
 **Images on the wire**: each image (source or result) at its own aspect ratio, scaled down so that its
 longer side is at most ``max_side`` (Flow-GRPO's judges are sent 512 × 512; a square would distort a
@@ -70,8 +70,8 @@ _FLAG = "--model.init_args.reward.init_args.config.edit_judge"
 _VIESCORE = ("instruction", "preservation", "quality")
 
 DEFAULT_EDIT_TEMPLATE = (
-    "The first {num_sources} image(s) are the source. The last image is the result of editing the source "
-    "by this instruction: [{prompt}]\n"
+    "The last image is the result of editing the image(s) before it, the source, by this instruction: "
+    "[{prompt}]\n"
     "Judge the result on three scales from 0 to 10.\n"
     "Instruction: is the edit done? 0 if the result ignores the instruction, 10 if it carries it out "
     "completely and exactly. The result may look the same as the source when the edit failed.\n"

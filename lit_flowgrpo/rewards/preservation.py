@@ -216,7 +216,8 @@ class PreservationReward:
                 boxes = _boxes(record[BOX_KEY])
                 if isinstance(boxes, str):
                     out.append(f"{where}: {BOX_KEY} {boxes}")
-            count = len(record.get("condition_images") or ())
+            images = record.get("condition_images") or ()
+            count = 1 if isinstance(images, str) else len(images)
             if count and count <= self.source_index:
                 out.append(
                     f"{where} gives {count} condition_images, but {_FLAG}.source_index ({self.source_index}) "

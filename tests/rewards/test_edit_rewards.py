@@ -147,7 +147,6 @@ def test_judge_sends_sources_then_result_and_parses_every_component(server: str,
         i = next(n for n, p in enumerate(PROMPTS) if f"[{p}]" in content[-1]["text"])
         wanted = [*sources[i], results[i]]
         assert len(content) == len(wanted) + 1
-        assert f"The first {len(sources[i])} image(s) are the source" in content[-1]["text"]
         for part, image in zip(content, wanted, strict=False):
             assert np.array_equal(_pixels(part["image_url"]["url"]), to_numpy_hwc(image[None])[0])
 
@@ -199,14 +198,14 @@ def test_a_judge_of_other_components_reads_those_and_weights_the_first(server: s
         server,
         "ok",
         components={"follows": r"Instruction score:\s*([0-9.]+)"},
-        template="Edit: {prompt} ({metadata[kind]})",
+        template="Edit {num_sources}: {prompt} ({metadata[kind]})",
     )
     assert judge.primary == "follows" and judge.required_metadata == ("kind",)
     scores = judge(results[:1], PROMPTS[:1], [{"kind": "colour"}], sources=sources[:1])
     assert set(scores) == {"follows"} and torch.equal(
         scores["follows"], _expected(results, sources)["instruction"][:1]
     )
-    assert EditChatHandler.seen[0]["messages"][0]["content"][-1]["text"] == f"Edit: {PROMPTS[0]} (colour)"
+    assert EditChatHandler.seen[0]["messages"][0]["content"][-1]["text"] == f"Edit 1: {PROMPTS[0]} (colour)"
 
 
 def test_judge_settings_and_inputs_are_checked(server: str, batch, closed_port_url: str) -> None:
