@@ -296,11 +296,9 @@ class PreservationReward:
             size = (original.shape[2], original.shape[1])
             edited = self._edited(metadata[i], size, height, width).to(device)  # (H, W) bool
             kept = ~edited
-            if self.model_name is not None:
+            if self.model_name is not None:  # the result with the edit's own region filled from the source
                 references.append(source)
-                filled.append(
-                    torch.where(edited, source, result)
-                )  # the edit's own region: the source's pixels
+                filled.append(torch.where(edited, source, result))
             scorable.append(bool(kept.any()))
             if not scorable[-1]:
                 continue
