@@ -448,3 +448,47 @@ SPECS["hunyuanvideo15_480p"] = dict(
     guider=dict(guidance_scale=6.0),
     text=dict(tokens=1000, dim=3584, glyph_tokens=256, glyph_dim=1472, image_tokens=729, image_dim=1152),
 )
+# Qwen/Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline): Qwen-Image's transformer, VAE and scheduler
+# (transformer/, vae/, scheduler/ config.json as Qwen/Qwen-Image's), and its text encoder Qwen2.5-VL-7B-Instruct
+# with the vision tower that sees the sources (text_encoder/config.json: 28 layers of 3584, 28 heads, 4 KV
+# heads, multimodal RoPE sections [16, 24, 24]; a 32-block ViT of 1280 on 14-pixel patches merged 2x2 into
+# one 3584-wide token per 28x28 pixels); processor/preprocessor_config.json: Qwen2VLImageProcessor of the
+# same patch, merge and temporal sizes. Qwen/Qwen-Image-Edit-2511 differs in transformer zero_cond_t only
+# (the source tokens modulated with timestep 0).
+SPECS["qwenimage_edit_2509"] = dict(
+    SPECS["qwenimage"],
+    family="qwenimage_edit",
+    pipeline="QwenImageEditPlusPipeline",
+    text_encoder=dict(
+        text_config=dict(
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=128000,
+            rope_parameters=dict(rope_type="default", mrope_section=[16, 24, 24], rope_theta=1e6),
+        ),
+        vision_config=dict(
+            depth=32,
+            hidden_size=1280,
+            intermediate_size=3420,
+            num_heads=16,
+            out_hidden_size=3584,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=112,
+            fullatt_block_indexes=[7, 15, 23, 31],
+        ),
+    ),
+    processor=dict(
+        patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=56 * 56, max_pixels=28 * 28 * 1280
+    ),
+)
+SPECS["qwenimage_edit_2511"] = dict(
+    SPECS["qwenimage_edit_2509"],
+    transformer=dict(SPECS["qwenimage_edit_2509"]["transformer"], zero_cond_t=True),
+)
