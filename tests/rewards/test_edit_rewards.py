@@ -437,3 +437,76 @@ def test_a_multi_reward_of_judge_and_preservation_is_called_with_sources(server:
     assert torch.equal(out.components["preservation/pixel"], kept["pixel"])
     torch.testing.assert_close(out.total[:2], judged["overall"][:2] + 0.5 * kept["pixel"][:2], atol=0, rtol=0)
     assert torch.isnan(out.total[2]) and out.failures == {"edit_judge": 1, "preservation": 0, "blind": 0}
+
+
+@pytest.mark.slow
+def test_both_rewards_by_name_score_a_conditioned_fit_and_its_validation(server: str, tmp_path: Path) -> None:
+    """One training step and one validation of the toy policy conditioned on a source: the registry builds
+    both rewards from their settings, each request holds the record's own source file then the sample,
+    and the record's edit_box reaches the preservation term through the metadata."""
+    import lightning as L
+    from test_conditioning import SourceToyPolicy
+
+    from lit_flowgrpo import FlowGRPOModule, PromptDataModule, Sampler, UpdateSettings, WeightsSettings
+    from lit_flowgrpo.conditioning import read_rgb
+
+    prompts = ["a red circle", "a blue square", "two green triangles", "a yellow circle"]
+
+    def records(name: str, n: int, shade: int) -> str:
+        lines = []
+        for i in range(n):
+            colour = (50 * i + shade, 90, 200 - 40 * i)
+            Image.fromarray(np.full((32, 32, 3), colour, dtype=np.uint8)).save(tmp_path / f"{name}_{i}.png")
+            box = [0, 0, 32, 32] if (name, i) == ("val", 1) else [0, 0, 16, 32]  # val 1: all of it edited
+            record = {"prompt": prompts[i], "condition_images": [f"{name}_{i}.png"], "edit_box": box}
+            lines.append(json.dumps(record))
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+        return str(tmp_path / f"{name}.jsonl")
+
+    data = PromptDataModule(
+        train=records("train", 4, 0),
+        val=records("val", 2, 25),
+        prompts_per_step=2,
+        group_size=2,
+        val_batch_size=2,
+    )
+    judge = {"base_url": f"{server}/ok/v1", "model": "judge", "max_side": None, "max_retries": 0}
+    reward = MultiReward({"edit_judge": 1.0, "preservation": 0.5}, config={"edit_judge": judge})
+    module = FlowGRPOModule(
+        policy=SourceToyPolicy(),
+        reward=reward,
+        sampler=Sampler(num_steps=3, eval_num_steps=2, guidance_scale=1.0, height=32, width=32),
+        update=UpdateSettings(micro_batch_size=4),
+        weights=WeightsSettings(lora=None),
+    )
+    trainer = L.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        val_check_interval=1,
+    )
+    trainer.fit(module, datamodule=data)
+    assert trainer.global_step > 0
+    # Each request: its record's own source file (at the file's size), then the sample, then the question.
+    given: dict[str, list[np.ndarray]] = {}
+    for r in [*data.train_records, *data.val_records]:
+        given.setdefault(r["prompt"], []).append(to_numpy_hwc(read_rgb(r["condition_images"][0])[None])[0])
+    assert len(EditChatHandler.seen) == 2 * 2 + 2  # 2 records x 2 samples, then 2 held-out records
+    for request in EditChatHandler.seen:
+        content = request["messages"][0]["content"]
+        prompt = next(p for p in prompts if f"[{p}]" in content[-1]["text"])
+        assert [c["type"] for c in content] == ["image_url", "image_url", "text"]
+        source = _pixels(content[0]["image_url"]["url"])
+        assert any(np.array_equal(source, s) for s in given[prompt])
+    metrics = trainer.callback_metrics
+    for key in ("critic/rewards/edit_judge/overall/mean", "critic/rewards/preservation/pixel/mean"):
+        assert math.isfinite(float(metrics[key])), key
+    assert math.isfinite(float(metrics["val-aux/preservation/ssim/mean@1"]))
+    # The held-out record whose box is the whole image has nothing to compare: its sample is unscored.
+    assert float(metrics["val-aux/preservation/pixel/unscored_count"]) == 1
+    assert float(metrics["val-aux/edit_judge/overall/unscored_count"]) == 0
