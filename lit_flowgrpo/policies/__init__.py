@@ -11,6 +11,7 @@ from lit_flowgrpo.policies.packed import PackedLatentPolicy
 from lit_flowgrpo.policies.qwenimage import QwenImagePolicy
 from lit_flowgrpo.policies.sd3 import SD3Policy
 from lit_flowgrpo.policies.wan import WanPolicy
+from lit_flowgrpo.policies.wan_i2v import WanImageToVideoPolicy
 from lit_flowgrpo.policies.zimage import ZImagePolicy
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "PackedLatentPolicy",
     "QwenImagePolicy",
     "SD3Policy",
+    "WanImageToVideoPolicy",
     "WanPolicy",
     "ZImagePolicy",
 ]
