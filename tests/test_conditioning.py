@@ -294,3 +294,24 @@ def test_samples_are_shown_after_their_sources():
     assert beside_sources(images, None) is images
     video = torch.rand(2, 5, 3, 8, 8)
     assert beside_sources(video, src) is video
+
+
+def test_per_frame_gives_each_frame_its_videos_sources():
+    from lit_flowgrpo.rewards.video import PerFrame
+
+    class FirstFrameMatch:
+        uses_sources = True
+
+        def __call__(self, images, prompts, metadata, sources):
+            return torch.stack([-(i - s[0]).abs().mean() for i, s in zip(images, sources, strict=True)])
+
+    videos = torch.rand(2, 3, 3, 4, 4)
+    first = [[videos[0, 0].clone()], [videos[1, 0].clone()]]
+    wrapped = PerFrame(FirstFrameMatch(), reduce="min")
+    assert wrapped.uses_sources and not wrapped.needs_sources
+    out = MultiReward({"f": 1.0}, rewards={"f": wrapped})(videos, ["a", "b"], [{}, {}], sources=first)
+    # min over frames of -|frame - first frame|: frame 0 matches exactly, so the min is over the other two
+    want = torch.stack(
+        [torch.stack([-(videos[b, t] - videos[b, 0]).abs().mean() for t in range(3)]).min() for b in range(2)]
+    )
+    assert torch.equal(out.total, want)

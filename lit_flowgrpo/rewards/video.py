@@ -23,7 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lit_flowgrpo.rewards.base import checked_output, reward_modalities, thread_safe
+from lit_flowgrpo.rewards.base import (
+    checked_output,
+    needs_sources,
+    reward_modalities,
+    thread_safe,
+    uses_sources,
+)
 from lit_flowgrpo.rewards.images import check_videos, frame_indices
 from lit_flowgrpo.rewards.registry import (
     Reward,
@@ -124,6 +130,10 @@ class PerFrame:
         self.primary = getattr(inner, "primary", None)
         self.core_components = getattr(inner, "core_components", ())
         self.required_metadata = tuple(getattr(inner, "required_metadata", ()))
+        # A reward that sees the source (a first frame's preservation) gets each video's sources with
+        # every one of its frames.
+        self.uses_sources = uses_sources(inner)
+        self.needs_sources = needs_sources(inner)
 
     def check(self) -> None:
         """The wrapped reward's start-up check, if it has one."""
@@ -137,9 +147,15 @@ class PerFrame:
         return list(hook(records)) if callable(hook) else []
 
     def __call__(
-        self, videos: Tensor, prompts: list[str], metadata: list[dict]
+        self,
+        videos: Tensor,
+        prompts: list[str],
+        metadata: list[dict],
+        sources: Sequence[Sequence[Tensor]] | None = None,
     ) -> Tensor | dict[str, Tensor]:
-        """(B,) fp32 per component of the wrapped reward (a Tensor for a Tensor-valued one)."""
+        """(B,) fp32 per component of the wrapped reward (a Tensor for a Tensor-valued one). ``sources``
+        (each video's conditioning images) go with every frame of their video to a wrapped reward that
+        declares ``uses_sources``."""
         check_videos(videos, self.__qualname__)
         batch, frames = videos.shape[:2]
         metadata = list(metadata)
@@ -153,11 +169,15 @@ class PerFrame:
         images = videos[:, index].reshape(batch * n, *videos.shape[2:])  # (B·n, 3, H, W), video-major
         frame_prompts = [p for p in prompts for _ in range(n)]
         frame_metadata = [m for m in metadata for _ in range(n)]
+        given = None
+        if self.uses_sources:
+            given = [list(s) for s in (sources or [[] for _ in range(batch)]) for _ in range(n)]
         step = self.frames_per_call or batch * n
         parts: list[dict[str | None, Tensor]] = []
         for start in range(0, batch * n, step):
             stop = min(start + step, batch * n)
-            value = self.reward(images[start:stop], frame_prompts[start:stop], frame_metadata[start:stop])
+            args = (images[start:stop], frame_prompts[start:stop], frame_metadata[start:stop])
+            value = self.reward(*args) if given is None else self.reward(*args, sources=given[start:stop])
             parts.append(checked_output(value, stop - start, f"{self.__qualname__} on {stop - start} frames"))
         keys = list(parts[0])
         if any(list(p) != keys for p in parts):
