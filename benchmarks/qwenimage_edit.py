@@ -45,31 +45,19 @@ from lit_flowgrpo.callbacks import RLThroughputMonitor
 from lit_flowgrpo.performance import PerformanceSettings
 from lit_flowgrpo.policies.qwenimage_edit import ImageOnlyQwen2VLProcessor, QwenImageEditPlusPolicy
 from lit_flowgrpo.tiny import qwenimage as tiny_qwen
-from lit_flowgrpo.tiny.qwenimage_edit import edit_tokenizer
+from lit_flowgrpo.tiny import qwenimage_edit as tiny_edit
 from lit_flowgrpo.tiny.specs import SPECS
 
 
 def tiny_spec() -> dict[str, Any]:
-    """The public spec with the tiny pipeline's sizes: a CPU run of this script's code, in seconds."""
-    spec = SPECS["qwenimage_edit_2509"]
-    text = dict(
-        spec["text_encoder"]["text_config"], hidden_size=32, intermediate_size=64, num_hidden_layers=2
-    )
-    text.update(
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        rope_parameters=dict(text["rope_parameters"], mrope_section=[2, 3, 3]),
-    )
-    vision = dict(
-        spec["text_encoder"]["vision_config"], depth=1, hidden_size=16, intermediate_size=32, num_heads=2
-    )
-    vision.update(out_hidden_size=32, patch_size=2, window_size=8, fullatt_block_indexes=[0])
+    """The public spec with the tiny pipeline's sizes (``lit_flowgrpo.tiny.qwenimage_edit``): a CPU run of this
+    script's code, in seconds."""
     return dict(
-        spec,
+        SPECS["qwenimage_edit_2509"],
         transformer=tiny_qwen.TRANSFORMER,
         vae=tiny_qwen.VAE,
-        text_encoder=dict(text_config=text, vision_config=vision),
-        processor=dict(spec["processor"], patch_size=2, min_pixels=16, max_pixels=64 * 64),
+        text_encoder=dict(text_config=tiny_edit.TEXT, vision_config=tiny_edit.VISION),
+        processor=tiny_edit.PROCESSOR,
     )
 
 
@@ -108,7 +96,7 @@ class BenchQwenImageEditPolicy(QwenImageEditPlusPolicy):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         spec, dtype = self.spec, {"bfloat16": torch.bfloat16, "float32": torch.float32}[self.dtype_name]
-        tokenizer = edit_tokenizer()
+        tokenizer = tiny_edit.edit_tokenizer()
         ids = tokenizer.convert_tokens_to_ids
         config = Qwen2_5_VLConfig(
             text_config=dict(

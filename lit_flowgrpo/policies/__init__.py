@@ -9,6 +9,7 @@ from lit_flowgrpo.policies.flux2 import Flux2DevPolicy, Flux2KleinPolicy
 from lit_flowgrpo.policies.hunyuanvideo15 import HunyuanVideo15Policy
 from lit_flowgrpo.policies.packed import PackedLatentPolicy
 from lit_flowgrpo.policies.qwenimage import QwenImagePolicy
+from lit_flowgrpo.policies.qwenimage_edit import QwenImageEditPlusPolicy
 from lit_flowgrpo.policies.sd3 import SD3Policy
 from lit_flowgrpo.policies.wan import WanPolicy
 from lit_flowgrpo.policies.wan_i2v import WanImageToVideoPolicy
@@ -21,6 +22,7 @@ __all__ = [
     "FluxPolicy",
     "HunyuanVideo15Policy",
     "PackedLatentPolicy",
+    "QwenImageEditPlusPolicy",
     "QwenImagePolicy",
     "SD3Policy",
     "WanImageToVideoPolicy",

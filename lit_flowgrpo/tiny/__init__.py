@@ -8,6 +8,7 @@ miniature pipelines in code, `save_pretrained` them to a folder and load them th
     python -m lit_flowgrpo.tiny.flux .tiny_models/flux
     python -m lit_flowgrpo.tiny.flux2 .tiny_models/flux2        (FLUX.2 dev: .tiny_models/flux2_dev dev)
     python -m lit_flowgrpo.tiny.qwenimage .tiny_models/qwenimage
+    python -m lit_flowgrpo.tiny.qwenimage_edit .tiny_models/qwenimage_edit   (2511: .tiny_models/qwenimage_edit_2511 2511)
     python -m lit_flowgrpo.tiny.wan .tiny_models/wan            (a14b: .tiny_models/wan22_a14b a14b)
     python -m lit_flowgrpo.tiny.wan_i2v .tiny_models/wan_i2v    (TI2V-5B form: .tiny_models/wan22_ti2v ti2v)
     python -m lit_flowgrpo.tiny.zimage .tiny_models/zimage      (Z-Image base: .tiny_models/zimage_base base)

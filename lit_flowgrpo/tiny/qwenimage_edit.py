@@ -38,11 +38,38 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Q
 
 from lit_flowgrpo.policies.qwenimage_edit import ImageOnlyQwen2VLProcessor
 from lit_flowgrpo.tiny.qwenimage import QWEN, TRANSFORMER, VAE
+from lit_flowgrpo.tiny.specs import SPECS
 
 #: The checkpoints this builds: 2511's transformer modulates the source tokens with timestep 0.
 VARIANTS = {"2509": dict(zero_cond_t=False), "2511": dict(zero_cond_t=True)}
-#: Vision patches of 2 pixels merged 2×2: one source token per 4×4 pixels (the real model: 14, merged 2×2).
-PATCH, MERGE, TEMPORAL = 2, 2, 2
+EDIT = SPECS["qwenimage_edit_2509"]
+#: Qwen2.5-VL-7B shrunk: 2 layers of 32, 2 heads (1 KV head); the RoPE sections split head_dim / 2 = 8.
+TEXT = dict(
+    EDIT["text_encoder"]["text_config"],
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=2048,
+    rope_parameters=dict(
+        EDIT["text_encoder"]["text_config"]["rope_parameters"], mrope_section=[2, 3, 3], rope_theta=1e4
+    ),
+)
+#: Its vision tower shrunk: one block of 16, patches of 2 pixels merged 2x2 (one token per 4x4 pixels).
+VISION = dict(
+    EDIT["text_encoder"]["vision_config"],
+    depth=1,
+    hidden_size=16,
+    intermediate_size=32,
+    num_heads=2,
+    out_hidden_size=TEXT["hidden_size"],
+    patch_size=2,
+    window_size=8,
+    fullatt_block_indexes=[0],
+)
+#: The image processor of the tiny tower's patch size; sources of 4 to 64x64 pixels keep their size.
+PROCESSOR = dict(EDIT["processor"], patch_size=VISION["patch_size"], min_pixels=4 * 4, max_pixels=64 * 64)
 #: How many tokens QwenImageEditPlusPipeline drops from the front of every encoded prompt.
 PREFIX_TOKENS = 64
 _SPECIAL = [
@@ -107,18 +134,11 @@ def edit_tokenizer() -> Qwen2Tokenizer:
 
 
 def edit_processor(tokenizer: Qwen2Tokenizer) -> ImageOnlyQwen2VLProcessor:
-    """The Qwen2-VL image processor of the tiny vision tower's patch and merge sizes, with ``tokenizer``;
-    sources of 4 to 64×64 pixels keep their size (to the next multiple of 4)."""
+    """The Qwen2-VL image processor of the tiny vision tower's patch and merge sizes (:data:`PROCESSOR`), with
+    ``tokenizer``."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    unit = PATCH * MERGE
-    image_processor = Qwen2VLImageProcessorPil(
-        patch_size=PATCH,
-        merge_size=MERGE,
-        temporal_patch_size=TEMPORAL,
-        min_pixels=unit * unit,
-        max_pixels=64 * 64,
-    )
+    image_processor = Qwen2VLImageProcessorPil(**PROCESSOR)
     return ImageOnlyQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
 
 
@@ -126,32 +146,14 @@ def _text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGenerati
     ids = tokenizer.convert_tokens_to_ids
     return Qwen2_5_VLForConditionalGeneration(
         Qwen2_5_VLConfig(
-            text_config={
-                "vocab_size": len(tokenizer),
-                "hidden_size": 32,
-                "intermediate_size": 64,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "max_position_embeddings": 2048,
-                # Multimodal RoPE: the sections split head_dim / 2 = 8 over (time, height, width).
-                "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4},
-                "bos_token_id": None,
-                "eos_token_id": ids("<|im_end|>"),
-                "pad_token_id": tokenizer.pad_token_id,
-            },
-            vision_config={
-                "depth": 1,
-                "hidden_size": 16,
-                "intermediate_size": 32,
-                "num_heads": 2,
-                "out_hidden_size": 32,
-                "patch_size": PATCH,
-                "spatial_merge_size": MERGE,
-                "temporal_patch_size": TEMPORAL,
-                "window_size": 8,
-                "fullatt_block_indexes": [0],
-            },
+            text_config=dict(
+                TEXT,
+                vocab_size=len(tokenizer),
+                bos_token_id=None,
+                eos_token_id=ids("<|im_end|>"),
+                pad_token_id=tokenizer.pad_token_id,
+            ),
+            vision_config=VISION,
             image_token_id=ids("<|image_pad|>"),
             video_token_id=ids("<|video_pad|>"),
             vision_start_token_id=ids("<|vision_start|>"),
