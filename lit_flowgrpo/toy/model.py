@@ -56,7 +56,7 @@ class ToyModelConfig:
 
     Args:
         block_out_channels: U-Net channels per resolution level, 32×32 first. Every level but the
-            first cross-attends to the text.
+            first cross-attends to the text (the first too with ``text_at_full_resolution``).
         layers_per_block: ResNet (+ attention) layers per down level; up levels have one more.
         attention_heads: heads of every U-Net attention layer.
         norm_num_groups: GroupNorm groups; must divide every entry of ``block_out_channels``.
@@ -65,6 +65,14 @@ class ToyModelConfig:
         text_layers: transformer layers of the text encoder.
         text_heads: attention heads of the text encoder.
         max_length: longest prompt in tokens, the begin-of-prompt token included.
+        text_at_full_resolution: the first (32×32) level cross-attends to the text too, so every
+            pixel reads the prompt directly, not only through the 16×16 and 8×8 features. That
+            level's transformer is cross-attention only (diffusers' ``only_cross_attention``): its
+            first attention also reads the text, where the others attend over the pixels, because
+            self-attention over 1024 pixels would about double the model's cost on a CPU. That
+            first attention gets no text mask (diffusers passes ``encoder_attention_mask`` only
+            to the second); padding states are zero, so padding adds zero-valued keys, the same
+            for a prompt in every run.
     """
 
     block_out_channels: tuple[int, ...] = (32, 64, 128)
@@ -76,6 +84,7 @@ class ToyModelConfig:
     text_layers: int = 2
     text_heads: int = 4
     max_length: int = 16
+    text_at_full_resolution: bool = False
 
     def problems(self, flag: str = "--model.init_args.architecture") -> list[str]:
         out = level_problems(flag, self.block_out_channels, self.norm_num_groups)
@@ -213,12 +222,21 @@ class ToyTextEncoder(nn.Module):
 def unet_config(config: ToyModelConfig) -> dict[str, Any]:
     """The ``UNet2DConditionModel`` keyword arguments for ``config``."""
     levels = len(config.block_out_channels)
-    return {
+    first = 1 if config.text_at_full_resolution else 0  # levels from the first that cross-attend
+    extra: dict[str, Any] = {}
+    if config.text_at_full_resolution:
+        # per down level, 32x32 first (diffusers reverses it for the up levels); the mid block keeps
+        # its self-attention
+        extra = {
+            "only_cross_attention": (True,) + (False,) * (levels - 1),
+            "mid_block_only_cross_attention": False,
+        }
+    return extra | {
         "sample_size": world.IMAGE_SIZE,
         "in_channels": 3 + 2,  # RGB + the x, y coordinate channels
         "out_channels": 3,
-        "down_block_types": ("DownBlock2D",) + ("CrossAttnDownBlock2D",) * (levels - 1),
-        "up_block_types": ("CrossAttnUpBlock2D",) * (levels - 1) + ("UpBlock2D",),
+        "down_block_types": ("DownBlock2D",) * (1 - first) + ("CrossAttnDownBlock2D",) * (levels - 1 + first),
+        "up_block_types": ("CrossAttnUpBlock2D",) * (levels - 1 + first) + ("UpBlock2D",) * (1 - first),
         "block_out_channels": tuple(config.block_out_channels),
         "layers_per_block": config.layers_per_block,
         "mid_block_type": "UNetMidBlock2DCrossAttn" if config.mid_block else None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from copy import deepcopy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from lit_flowgrpo.toy.model import (
     predict_velocity,
     read_checkpoint_metadata,
     save_checkpoint,
+    unet_config,
 )
 from lit_flowgrpo.toy.policy import ToyPolicy
 
@@ -172,6 +174,37 @@ def test_export_round_trip_fp32_and_fp16(tmp_path: os.PathLike) -> None:
         assert torch.equal(got, _reference_velocity(*reference, x, sigma, PROMPTS[:2]))
         velocities[dtype] = got
     assert not torch.equal(velocities[torch.float16], velocities[torch.float32])  # fp16 really rounds
+
+
+def test_text_at_full_resolution_round_trips_and_reads_the_text_at_32x32(tmp_path: os.PathLike) -> None:
+    # The default keeps the shipped layout: no text at 32x32, diffusers' defaults untouched.
+    assert "only_cross_attention" not in unet_config(TINY)
+    config = replace(TINY, text_at_full_resolution=True)
+    torch.manual_seed(3)
+    unet, text_encoder = build_models(config)
+    assert [type(b).__name__ for b in unet.down_blocks] == ["CrossAttnDownBlock2D"] * 2
+    assert [type(b).__name__ for b in unet.up_blocks] == ["CrossAttnUpBlock2D"] * 2
+    first, last = unet.down_blocks[0].attentions[0], unet.down_blocks[1].attentions[0]
+    # 32x32: both attentions read the text (keys from text_dim); 16x16 keeps its self-attention.
+    assert first.transformer_blocks[0].attn1.to_k.in_features == config.text_dim
+    assert last.transformer_blocks[0].attn1.to_k.in_features == config.block_out_channels[1]
+    assert unet.up_blocks[-1].attentions[0].transformer_blocks[0].attn1.to_k.in_features == config.text_dim
+    with torch.no_grad():
+        for p in unet.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    path = str(tmp_path / "full.safetensors")
+    save_checkpoint(path, unet, text_encoder, dtype=torch.float32, info={"steps": "0"})
+    policy = ToyPolicy(path)
+    policy.load()  # the layout travels in the checkpoint's unet_config
+    assert policy.unet.config.only_cross_attention == [True, False]
+    x, sigma = torch.randn(2, 3, 32, 32), torch.tensor([0.9, 0.9])
+    got = policy.velocity(x, sigma, policy.encode_prompts(PROMPTS[:2]), 1.0)
+    assert torch.equal(got, _reference_velocity(unet, text_encoder, x, sigma, PROMPTS[:2]))
+    # The 32x32 attentions are on the path: zeroing their output projections changes the velocity.
+    with torch.no_grad():
+        policy.unet.down_blocks[0].attentions[0].transformer_blocks[0].attn2.to_out[0].weight.zero_()
+        policy.unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_out[0].weight.zero_()
+    assert not torch.equal(policy.velocity(x, sigma, policy.encode_prompts(PROMPTS[:2]), 1.0), got)
 
 
 def _rounded_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
