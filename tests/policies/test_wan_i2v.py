@@ -39,8 +39,9 @@ from lit_flowgrpo.tiny.wan_i2v import build_tiny_wan_i2v
 
 PROMPTS = ["a red cat", "two blue dogs"]
 FRAMES, STEPS, MAX_LEN = 5, 4, 16
-#: Output sizes: 2 × 2 × 2 = 8 tokens for each (Wan 2.1's 8× VAE at 32 px, TI2V's 16× at 64 px).
-SIZE = {"2.1": 32, "ti2v": 64}
+#: Output sizes: 2 × 2 × 2 = 8 tokens for each (Wan 2.1's 8× VAE at 32 px, TI2V's 16× at 64 px; the
+#: Wan 2.2 I2V-A14B form, two experts without CLIP, has Wan 2.1's VAE).
+SIZE = {"2.1": 32, "ti2v": 64, "a14b": 32}
 RECIPE = (
     Path(__file__).resolve().parents[2] / "lit_flowgrpo" / "configs" / "wan21_i2v_14b_pickscore_flowgrpo.yaml"
 )
@@ -96,7 +97,9 @@ def _pipe(path: str) -> WanImageToVideoPipeline:
 # -- against the pipeline ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("variant", "cfg"), [("2.1", 5.0), ("2.1", 1.0), ("ti2v", 5.0)], ids=str)
+@pytest.mark.parametrize(
+    ("variant", "cfg"), [("2.1", 5.0), ("2.1", 1.0), ("ti2v", 5.0), ("a14b", 4.0)], ids=str
+)
 def test_noise_level_zero_sampling_reproduces_the_pipeline(
     tiny_i2v: dict, tmp_path: Path, variant: str, cfg: float
 ) -> None:
@@ -151,7 +154,8 @@ def test_noise_level_zero_sampling_reproduces_the_pipeline(
     # Our CFG halves and our two samples share one batch where the pipeline runs one forward per half and
     # sample: reductions may sum in another order, amplified by the guidance along STEPS forwards, plus one
     # rounding per Euler step; then the decoder.
-    layers = sampling_layers(depth(pipe.transformer), STEPS, cfg) + STEPS
+    experts = [pipe.transformer] + ([pipe.transformer_2] if pipe.transformer_2 is not None else [])
+    layers = sampling_layers(max(depth(e) for e in experts), STEPS, cfg) + STEPS
     atol = network_atol(layers, float(ref_latents.abs().max()))
     torch.testing.assert_close(traj.final, ref_latents, atol=atol, rtol=0)
     assert ours_videos.shape == (2, FRAMES, 3, size, size) and ours_videos.dtype == torch.float32
@@ -201,9 +205,12 @@ def test_the_conditioning_is_what_the_pipeline_feeds_its_transformer(
         torch.testing.assert_close(
             call["hidden_states"][:, channels:], embeds["condition"][:1], atol=0, rtol=0
         )
-        torch.testing.assert_close(
-            call["encoder_hidden_states_image"], embeds["image_embeds"][:1], atol=0, rtol=0
-        )
+        if variant == "a14b":  # Wan 2.2 I2V-A14B: no image encoder, the latent channels alone
+            assert call["encoder_hidden_states_image"] is None and "image_embeds" not in embeds
+        else:
+            torch.testing.assert_close(
+                call["encoder_hidden_states_image"], embeds["image_embeds"][:1], atol=0, rtol=0
+            )
         # The mask: 1 on the (folded) first frame, 0 after it.
         mask = embeds["condition"][0, :4]
         assert (mask[:, 0] == 1).all() and (mask[:, 1:] == 0).all()
@@ -408,10 +415,14 @@ def test_a_run_trains_validates_exports_and_resumes_bit_for_bit(
     straight.export_lora(str(out))
     pipe = WanImageToVideoPipeline.from_pretrained(path, torch_dtype=torch.float32)
     pipe.load_lora_weights(str(out), adapter_name="rl")  # the pipeline's own LoRA loader
-    loaded = dict(pipe.transformer.named_parameters())
-    for name, value in _trainable(straight).items():
-        key = name.removeprefix("policy._transformer.").replace(".default.", ".rl.")
-        torch.testing.assert_close(loaded[key], value, atol=0, rtol=0)
+    loaded = {f"policy._transformer.{n}": p for n, p in pipe.transformer.named_parameters()}
+    if pipe.transformer_2 is not None:  # the low-noise expert's adapter, from its subfolder
+        pipe.load_lora_weights(str(out / "transformer_2"), adapter_name="rl", load_into_transformer_2=True)
+        loaded |= {f"policy._transformer_2.{n}": p for n, p in pipe.transformer_2.named_parameters()}
+    trained = _trainable(straight)
+    assert any("_transformer_2." in k for k in trained) == (variant == "a14b")
+    for name, value in trained.items():
+        torch.testing.assert_close(loaded[name.replace(".default.", ".rl.")], value, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -425,6 +436,7 @@ def test_a_run_trains_validates_exports_and_resumes_bit_for_bit(
         ("ti2v", FlowGRPO(clip_range=1e-2), True),
         ("ti2v", FlowGRPO(clip_range=1e-2), False),
         ("ti2v", DiffusionNFT(), True),
+        ("a14b", FlowGRPO(clip_range=1e-2), True),
     ],
     ids=lambda v: (
         type(v).__name__
