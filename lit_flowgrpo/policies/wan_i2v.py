@@ -44,8 +44,6 @@ from torch import Tensor, nn
 from lit_flowgrpo.conditioning import Condition
 from lit_flowgrpo.policies.base import (
     FRAMES_FLAG,
-    HEIGHT_FLAG,
-    WIDTH_FLAG,
     DType,
     Embeds,
     PromptCache,
@@ -154,7 +152,7 @@ class WanImageToVideoPolicy(WanPolicy):
             return []
         return [
             f"its {width}x{height} px would be stretched {max(stretch, 1 / stretch):.2f}x to the output's "
-            f"{out_width}x{out_height} ({WIDTH_FLAG} x {HEIGHT_FLAG}; the pipeline resizes without cropping), more "
+            f"{out_width}x{out_height} (the pipeline resizes without cropping), more "
             f"than {_FLAG}.max_stretch ({self.max_stretch}): crop the image to the output's aspect ratio, or "
             "raise the setting"
         ]

@@ -38,11 +38,14 @@ def _torchrun(config: dict, tmp: Path, name: str, procs: int) -> subprocess.Pope
 
 # slow: one run of two processes beside one in-process run, each two rollouts (about a minute on 2 cores)
 @pytest.mark.slow
-def test_two_ranks_splitting_each_sample_equal_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("variant", ["2.1", "ti2v"])
+def test_two_ranks_splitting_each_sample_equal_one_process(tmp_path: Path, variant: str) -> None:
     """sp = 2 under DDP: the same rollouts, rewards, advantages, metrics and LoRA weights after two SGD
-    steps as one process, with the first frame's CLIP states and mask + latent channels in every forward.
-    sp_worker's run draws 2 records x 4 at 32 x 32 px, 5 frames: 2 x 2 x 2 = 8 tokens, 4 a rank."""
-    pipeline = build_tiny_wan_i2v(tmp_path / "tiny", "2.1")
+    steps as one process. sp_worker's run draws 2 records x 4 at 32 x 32 px, 5 frames. Wan 2.1: the first
+    frame's CLIP states and mask + latent channels in every forward, 2 x 2 x 2 = 8 tokens, 4 a rank.
+    TI2V: 2 x 1 x 1 tokens (16x VAE), the given frame's on one rank and the generated frame's on the
+    other, each with its own timestep (0 and σ·1000: diffusers splits the per-token timesteps too)."""
+    pipeline = build_tiny_wan_i2v(tmp_path / "tiny", variant)
     prompts = first_frames(tmp_path / "data", n=2, size=(32, 32))
     config = dict(pipeline=pipeline, prompts=prompts)
     proc = _torchrun(dict(config, sp=2, strategy="ddp"), tmp_path, "ddp_sp2", 2)
