@@ -4,9 +4,12 @@ through FlowGRPOModule and the CLI."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -572,3 +575,52 @@ def test_the_benchmark_runs_on_the_cpu(tmp_path: Path, monkeypatch: pytest.Monke
     result = json.loads(out.read_text())
     assert result["images_per_gpu_s"] > 0 and result["measured_rollouts"] == 2
     assert result["onpolicy_ratio_abs_dev"] <= UpdateSettings().on_policy_tolerance(fp32=True)
+
+
+@pytest.mark.slow
+# DDP: the last block's text-stream outputs feed nothing (only image tokens are read out), so the LoRA of
+# its text MLP and text output projection gets no gradient, which DDP refuses unless told to look for it.
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp_find_unused_parameters_true"], ids=["fsdp2", "ddp"])
+def test_the_recipe_runs_on_two_processes(strategy: str, tiny_path: str, tmp_path: Path) -> None:
+    """The recipe under its own strategy (fsdp2: the transformer sharded per block) and under DDP, on 2 CPU
+    processes (gloo) launched by torchrun: one rollout with two sources a record, two optimizer steps, the
+    on-policy ratio exact (fp32)."""
+    records = edit_records(tmp_path / "data", per_record=2)
+    cfg = yaml.safe_load(
+        (Path(__file__).resolve().parents[2] / "lit_flowgrpo" / "configs" / RECIPE).read_text()
+    )
+    cfg["trainer"].update(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=2,
+        limit_val_batches=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path / "run"),
+        logger={
+            "class_path": "lightning.pytorch.loggers.CSVLogger",
+            "init_args": {"save_dir": str(tmp_path / "run")},
+        },
+        callbacks=[],
+    )
+    model = cfg["model"]["init_args"]
+    model["policy"]["init_args"].update(
+        pretrained=tiny_path, dtype="float32", max_sequence_length=MAX_LEN, vision_area=VISION
+    )
+    model["reward"]["init_args"] = {"weights": {"jpeg_compressibility": 1.0}}
+    model["sampler"].update(height=SIZE, width=SIZE, num_steps=5, eval_num_steps=2, batch_size=2)
+    model["update"]["micro_batch_size"] = 2
+    cfg["data"]["init_args"].update(train=records, val=None, prompts_per_step=2, group_size=4)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    script = tmp_path / "cli.py"
+    script.write_text("from lit_flowgrpo.cli import main\n\nmain()\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    done = subprocess.run([*cmd, "fit", "--config", str(config)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    (metrics,) = (tmp_path / "run").rglob("metrics.csv")
+    rows = [{k: float(v) for k, v in r.items() if v != ""} for r in csv.DictReader(metrics.open())]
+    row = next(r for r in rows if "actor/loss" in r)
+    assert math.isfinite(row["actor/loss"]) and row["reward/failure_rate"] == 0.0
+    assert row["actor/on_policy_ratio_err"] <= UpdateSettings().on_policy_tolerance(fp32=True)
