@@ -14,9 +14,9 @@ The tokenizer merges the words of the edit pipeline's system prompt so that its 
 including ``<|im_start|>user\\n``, is 64 tokens, as with the real tokenizer: the pipeline's
 ``prompt_template_encode_start_idx = 64`` then drops exactly that prefix.
 
-``model_index.json`` names ``transformers.Qwen2VLProcessor`` as a real checkout does; the processor folder
-holds the image processor and the tokenizer (no video processor: the pipeline never sends video, and
-transformers' video processors need torchvision). :func:`lit_flowgrpo.policies.qwenimage_edit.load_processor`
+``model_index.json`` and ``processor/`` name ``transformers.Qwen2VLProcessor`` as a real checkout does; the
+processor folder holds the image processor and the tokenizer (no video processor: the pipeline never sends
+video, and transformers' video processors need torchvision). :func:`lit_flowgrpo.policies.qwenimage_edit.load_processor`
 reads it on any machine.
 """
 
@@ -162,6 +162,14 @@ def _text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGenerati
     )
 
 
+def _set_json(file: str, key: str, value: object) -> None:
+    with open(file, encoding="utf-8") as f:
+        data = json.load(f)
+    data[key] = value
+    with open(file, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+
+
 def build_tiny_qwenimage_edit(path: str | os.PathLike[str], variant: str = "2509", seed: int = 0) -> str:
     """Write a tiny Qwen-Image-Edit-``variant`` pipeline (32×32 outputs: 64 packed tokens × 16, and 64 more
     per 32×32 source) to ``path``; return ``path``. Idempotent: a complete folder is left as it is."""
@@ -181,17 +189,15 @@ def build_tiny_qwenimage_edit(path: str | os.PathLike[str], variant: str = "2509
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
-        processor=None,  # written below under the class name a real checkout gives
+        processor=edit_processor(tokenizer),
         transformer=transformer,
     )
     pipe.save_pretrained(path)
-    edit_processor(tokenizer).save_pretrained(os.path.join(path, "processor"))
-    index_file = os.path.join(path, "model_index.json")
-    with open(index_file, encoding="utf-8") as f:
-        index = json.load(f)
-    index["processor"] = ["transformers", "Qwen2VLProcessor"]
-    with open(index_file, "w", encoding="utf-8") as f:
-        json.dump(index, f, indent=2, sort_keys=True)
+    # The folder names the processor as a real checkout does (transformers' Qwen2VLProcessor), not as the
+    # class that wrote it.
+    _set_json(os.path.join(path, "model_index.json"), "processor", ["transformers", "Qwen2VLProcessor"])
+    for file in ("processor_config.json", "tokenizer_config.json"):
+        _set_json(os.path.join(path, "processor", file), "processor_class", "Qwen2VLProcessor")
     return path
 
 
