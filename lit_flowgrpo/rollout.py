@@ -285,7 +285,7 @@ class Sampler:
                     record=record,
                     record_dtype=_RECORD_DTYPES[self.record_dtype],
                 )
-                images.append(policy.decode(traj.final))
+                images.append(policy.decode_conditioned(traj.final, index_embeds(embeds, rows)))
                 parts.append(traj)
                 if on_chunk is not None:
                     on_chunk(rows, images[-1])
@@ -342,7 +342,7 @@ class Sampler:
                 sde_steps=[],
                 train_steps=[],
             )
-            images = policy.decode(traj.final)
+            images = policy.decode_conditioned(traj.final, embeds)
             out.append(images.cpu() if to_cpu else images)
         return torch.cat(out)
 

@@ -116,6 +116,9 @@ class Pixels:
         assert conditions is None  # a text-only family (FlowPolicy.encode)
         return self.encode_prompts(prompts)
 
+    def decode_conditioned(self, latents: Tensor, embeds: dict) -> Tensor:
+        return self.decode(latents)  # as FlowPolicy's: the latents alone
+
     def decode(self, latents: Tensor) -> Tensor:
         return latents.repeat_interleave(4, dim=-1).repeat_interleave(4, dim=-2).sigmoid()
 

@@ -476,6 +476,12 @@ class FlowPolicy(nn.Module, ABC):
     def decode(self, latents: Tensor) -> Tensor:
         """Images (B, 3, H, W), or videos (B, F, 3, H, W) for a video :attr:`modality`; fp32 in [0, 1]."""
 
+    def decode_conditioned(self, latents: Tensor, embeds: Embeds) -> Tensor:
+        """:meth:`decode` of samples drawn with ``embeds`` (their rows): what the sampler calls. A family whose
+        decode needs the conditioning (Wan 2.2 TI2V: the given first frame goes in front of the generated
+        ones) overrides this; every other family decodes the latents alone."""
+        return self.decode(latents)
+
     def encode_images(self, images: Tensor) -> Tensor:
         """The clean latents x0 (B, *latent) fp32 of images, in the layout :meth:`velocity` takes: the
         inverse of :meth:`decode` (what SFT and Diffusion-DPO learn from).

@@ -116,7 +116,6 @@ class WanImageToVideoPolicy(WanPolicy):
         self.image_encoder: nn.Module | None = None
         self._conditions = PromptCache(condition_cache_size)
         # TI2V: the first-frame latents of the rows last sampled, which decode() puts in front (see decode).
-        self._first_frames: Tensor | None = None
 
     # -- settings -----------------------------------------------------------------------------------
 
@@ -259,11 +258,6 @@ class WanImageToVideoPolicy(WanPolicy):
 
     # -- the networks -------------------------------------------------------------------------------
 
-    def velocity(self, latents: Tensor, sigma: Tensor, embeds: Embeds, guidance_scale: float) -> Tensor:
-        if "first_frame" in embeds:
-            self._first_frames = embeds["first_frame"]
-        return super().velocity(latents, sigma, embeds, guidance_scale)
-
     def _guided(
         self,
         network: nn.Module,
@@ -316,24 +310,13 @@ class WanImageToVideoPolicy(WanPolicy):
         return uncond + guidance_scale * (cond_out - uncond)
 
     @torch.no_grad()
-    def decode(self, latents: Tensor) -> Tensor:
-        """Videos (B, F, 3, H, W) in [0, 1]. TI2V-5B: the first frame's latent in front of the generated ones
-        first, as the pipeline's last step writes it.
-
-        Which first frames: those of the rows :meth:`velocity` was last called with, since the loop decodes a
-        chunk right after sampling it (:meth:`~lit_flowgrpo.rollout.Sampler.rollout` and ``evaluate``) and
-        ``decode`` is handed the latents alone. Written so because the interface gives decode no Embeds; a
-        decode of another row count is refused rather than given wrong frames."""
-        if self.pipe is not None and self.expand_timesteps:
-            first = self._first_frames
-            if first is None or first.shape[0] != latents.shape[0]:
-                raise RuntimeError(
-                    f"{type(self).__name__}.decode: TI2V latents ({latents.shape[0]} rows) decode right after they "
-                    f"are sampled, with the first frames of that sampling ({0 if first is None else first.shape[0]} "
-                    "rows here)"
-                )
+    def decode_conditioned(self, latents: Tensor, embeds: Embeds) -> Tensor:
+        """Videos (B, F, 3, H, W) in [0, 1]. TI2V-5B: each sample's given first frame's latent in front of its
+        generated ones first, as the pipeline's last step writes it."""
+        if "first_frame" in embeds:
+            first = embeds["first_frame"]
             latents = torch.cat([first.to(latents.device, latents.dtype), latents], dim=2)
-        return super().decode(latents)
+        return self.decode(latents)
 
     @torch.no_grad()
     def encode_images(self, images: Tensor) -> Tensor:

@@ -128,7 +128,7 @@ def test_noise_level_zero_sampling_reproduces_the_pipeline(
         sde_steps=[],
         train_steps=[],
     )
-    ours_videos = policy.decode(traj.final)
+    ours_videos = policy.decode_conditioned(traj.final, embeds)
     negative = policy.encode_prompts([""])["prompt_embeds"]
     ref_latents, ref_videos = [], []
     for i, image in enumerate(images):  # the pipeline conditions a whole call on one image
