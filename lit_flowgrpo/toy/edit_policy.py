@@ -50,7 +50,9 @@ class ToyEditPolicy(PixelToyPolicy):
     condition_images = (1, 1)
     condition_name = "source image"
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "conv1", "conv2")
-    image_size_reason = "the shipped U-Net halves the resolution at 2 of its 3 levels; it was trained at 32x32"
+    image_size_reason = (
+        "the shipped U-Net halves the resolution at 2 of its 3 levels; it was trained at 32x32"
+    )
     denoiser_name = "unet"
     checkpoint_name = "toy editing checkpoint"
     regenerate_hint = EDIT_REGENERATE_HINT

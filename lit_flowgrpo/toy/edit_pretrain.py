@@ -94,8 +94,10 @@ class EditPairsDataModule(RenderedDataModule):
         super().__init__(batch_size, num_workers, seed)
         if kind_weights is not None:
             unknown = sorted(set(kind_weights) - set(edit_world.EDIT_KINDS))
-            if unknown or any(w < 0 for w in kind_weights.values()) or not any(
-                w > 0 for w in kind_weights.values()
+            if (
+                unknown
+                or any(w < 0 for w in kind_weights.values())
+                or not any(w > 0 for w in kind_weights.values())
             ):
                 raise ValueError(
                     f"--data.init_args.kind_weights ({kind_weights}) must give non-negative weights to edit "
@@ -187,5 +189,9 @@ class EditPretrainModule(ToyPretrainModule):
 
     def _save(self, path: str, net: nn.ModuleDict, dtype: torch.dtype, info: dict[str, str]) -> None:
         save_edit_checkpoint(
-            path, net["unet"], net["text_encoder"], dtype=dtype, info=info | {"made_by": EDIT_PRETRAIN_COMMAND}
+            path,
+            net["unet"],
+            net["text_encoder"],
+            dtype=dtype,
+            info=info | {"made_by": EDIT_PRETRAIN_COMMAND},
         )

@@ -72,7 +72,9 @@ def write_split(folder: str, split: str, sources: int, seed: int) -> str:
     path = os.path.join(folder, f"edit_{split}.jsonl")
     with open(path, "w", encoding="utf-8") as f:
         for records, image in built:
-            Image.fromarray(image).save(os.path.join(folder, records[0]["condition_images"][0]), optimize=True)
+            Image.fromarray(image).save(
+                os.path.join(folder, records[0]["condition_images"][0]), optimize=True
+            )
             for record in records:
                 f.write(json.dumps(record) + "\n")
     return path

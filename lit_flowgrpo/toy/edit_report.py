@@ -49,7 +49,9 @@ def evaluate_edits(
     ``records`` × ``seeds`` samples (records with absolute ``condition_images``)."""
     rows = [(r, sample_seed(s, i)) for s in seeds for i, r in enumerate(records)]
     store = ConditionImages()
-    sampler = Sampler(eval_num_steps=num_steps, guidance_scale=guidance, height=32, width=32, batch_size=batch_size)
+    sampler = Sampler(
+        eval_num_steps=num_steps, guidance_scale=guidance, height=32, width=32, batch_size=batch_size
+    )
     conditions = store.conditions([r for r, _ in rows])
     images = sampler.evaluate(
         policy,
@@ -71,7 +73,9 @@ def evaluate_edits(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", nargs="+", default=[None], help="toy editing checkpoints (default: shipped)")
+    parser.add_argument(
+        "--checkpoint", nargs="+", default=[None], help="toy editing checkpoints (default: shipped)"
+    )
     parser.add_argument("--num-seeds", type=int, default=2)
     parser.add_argument("--num-steps", type=int, default=10)
     parser.add_argument("--guidance", type=float, nargs="+", default=[1.0])

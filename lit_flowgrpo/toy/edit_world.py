@@ -58,12 +58,7 @@ MIN_OBJECTS, MAX_OBJECTS = 2, 3
 _DIRECTION_WORDS = {"left": "to the left", "right": "to the right", "up": "up", "down": "down"}
 
 EDIT_VOCAB: tuple[str, ...] = tuple(
-    sorted(
-        {"make", "the", "remove", "move", "to"}
-        | set(DIRECTIONS)
-        | set(world.COLORS)
-        | set(world.SHAPES)
-    )
+    sorted({"make", "the", "remove", "move", "to"} | set(DIRECTIONS) | set(world.COLORS) | set(world.SHAPES))
 )
 """Every word an instruction of this world can contain."""
 
@@ -113,9 +108,7 @@ def scene_fits(scene: list[dict[str, Any]]) -> bool:
     boxes = [world.object_box(o) for o in scene]
     lo, hi = world.BORDER, world.IMAGE_SIZE - world.BORDER
     inside = all(b[0] >= lo and b[1] >= lo and b[2] <= hi and b[3] <= hi for b in boxes)
-    return inside and all(
-        _apart(boxes[i], boxes[j], world.GAP) for i in range(len(boxes)) for j in range(i)
-    )
+    return inside and all(_apart(boxes[i], boxes[j], world.GAP) for i in range(len(boxes)) for j in range(i))
 
 
 def sample_source(rng: np.random.Generator, num_objects: int | None = None) -> list[dict[str, Any]]:

@@ -27,7 +27,9 @@ reward hacking, measured (``configs/hacking_proxy.yaml``).
 
 It also writes ``base_vs_tuned.png`` to the run's log dir: the first validation prompts, sampled
 with the same seeds by the base model (top row of each pair) and the tuned one (bottom row), each
-column under its prompt, each sample framed green where the verifier passes it and red where not.
+column under its prompt, each sample framed green where the verifier passes it and red where not. For
+conditioned records (editing) a row of each sample's first conditioning image, its source, heads each
+pair: source | base | tuned.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ class HeldOutReport(L.Callback):
         self._images: list[torch.Tensor] = []
         self._prompts: list[str] = []
         self._passed: list[torch.Tensor] = []
+        self._sources: list[torch.Tensor] = []
         self._first: _Samples | None = None
         self._last: _Samples | None = None
         self._ids: list[torch.Tensor] = []
@@ -123,6 +126,7 @@ class HeldOutReport(L.Callback):
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._sums, self._images, self._prompts, self._passed = {}, [], [], []
+        self._sources = []
         self._ids, self._values = [], []
         self._gap = [0.0, 0.0]
 
@@ -156,6 +160,10 @@ class HeldOutReport(L.Callback):
             self._images.append(outputs["images"][:take].detach().cpu())  # the picture is drawn on the host
             self._prompts.extend(outputs["prompts"][:take])
             self._passed.append(outputs["rewards"][self.component][:take].float().cpu() > 0.5)
+            # an editing record's source, drawn above its pair
+            conditions = getattr(batch, "conditions", None)
+            if conditions:
+                self._sources.extend(c.images[0].detach().cpu() for c in conditions[:take])
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.component not in self._sums:
@@ -181,6 +189,7 @@ class HeldOutReport(L.Callback):
             torch.cat(self._images) if self._images else torch.zeros(0, 3, 1, 1),
             list(self._prompts),
             torch.cat(self._passed) if self._passed else torch.zeros(0, dtype=torch.bool),
+            tuple(self._sources),
         )
         extra = {}
         if gap is not None and self.proxy in means:
@@ -321,8 +330,12 @@ class HeldOutReport(L.Callback):
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, self.filename)
         first, last = self._first, self._last
-        base_vs_tuned_grid(first.images, last.images, first.prompts, first.passed, last.passed).save(path)
-        print(f"base (top) vs tuned (bottom) samples: {path}")
+        sources = first.sources if len(first.sources) == len(first.images) else None
+        grid = base_vs_tuned_grid(
+            first.images, last.images, first.prompts, first.passed, last.passed, sources=sources
+        )
+        grid.save(path)
+        print(f"{'source, ' if sources else ''}base (top) vs tuned (bottom) samples: {path}")
 
     def _last_line(self, trainer: L.Trainer) -> str:
         """Base -> tuned where both were evaluated; otherwise what was not, and why."""
@@ -403,8 +416,12 @@ def base_vs_tuned_grid(
     tuned_passed: torch.Tensor | None = None,
     per_row: int = 8,
     scale: int = 4,
+    sources: list[torch.Tensor] | None = None,
 ) -> Image.Image:
     """Pairs of rows: base samples above the tuned samples of the same prompts and seeds.
+
+    With ``sources`` (one (3, H, W) image per sample, an edit's source) each pair is headed by a row of
+    them, unframed: source | base | tuned.
 
     Each column is headed by its prompt (wrapped); a sample whose pass flag is given gets a green
     frame (the verifier passes it) or a red one (it fails). Videos (B, F, 3, H, W) are drawn as film
@@ -422,7 +439,8 @@ def base_vs_tuned_grid(
     captions = [textwrap.wrap(p, chars)[:4] for p in (prompts or [])[:n]]
     text_h = 11 * max((len(c) for c in captions), default=0)
     cell_w = tile_w + 2 * frame + pad
-    cell_h = text_h + 2 * (tile_h + 2 * frame) + 2 * pad
+    rows_of = ("source", "base", "tuned") if sources is not None else ("base", "tuned")
+    cell_h = text_h + len(rows_of) * (tile_h + 2 * frame) + 2 * pad
     rows, cols = (n + per_row - 1) // per_row, max(1, min(n, per_row))
     legend_h = 16 if base_passed is not None or tuned_passed is not None else 0
     canvas = Image.new("RGB", (label_w + cols * cell_w + pad, rows * cell_h + pad + legend_h), (30, 30, 30))
@@ -430,21 +448,24 @@ def base_vs_tuned_grid(
     colours = {True: (40, 200, 70), False: (220, 50, 50)}
     for r in range(rows):
         y0 = pad + r * cell_h + text_h
-        for k, name in enumerate(("base", "tuned")):
+        for k, name in enumerate(rows_of):
             draw.text((4, y0 + k * (tile_h + 2 * frame) + tile_h // 2), name, fill=(200, 200, 200), font=font)
     for i in range(n):
         r, c = divmod(i, per_row)
         x0, y0 = label_w + pad + c * cell_w, pad + r * cell_h
         for line_no, line in enumerate(captions[i] if i < len(captions) else []):
             draw.text((x0, y0 + 11 * line_no), line, fill=(230, 230, 230), font=font)
-        for k, (batch, passed) in enumerate(((base, base_passed), (tuned, tuned_passed))):
+        tiles = [(base[i], base_passed), (tuned[i], tuned_passed)]
+        if sources is not None:
+            tiles.insert(0, (sources[i], None))
+        for k, (sample, passed) in enumerate(tiles):
             top = y0 + text_h + k * (tile_h + 2 * frame)
             if passed is not None and i < len(passed):
                 draw.rectangle(
                     [x0, top, x0 + tile_w + 2 * frame - 1, top + tile_h + 2 * frame - 1],
                     fill=colours[bool(passed[i])],
                 )
-            pixels = (batch[i].clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
+            pixels = (sample.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
             tile = Image.fromarray(pixels).resize((tile_w, tile_h), Image.NEAREST)
             canvas.paste(tile, (x0 + frame, top + frame))
     if legend_h:
@@ -469,3 +490,4 @@ class _Samples(NamedTuple):
     images: torch.Tensor
     prompts: list[str]
     passed: torch.Tensor
+    sources: tuple[torch.Tensor, ...] = ()
