@@ -122,8 +122,8 @@ class QwenImageEditPlusPolicy(QwenImagePolicy):
             uses the scale it is given (the training loop's ``--model.init_args.sampler.guidance_scale``): set
             both alike. The negative prompt's rows are encoded only when this is above 1.
         negative_prompt: The unconditional prompt, encoded with the record's sources (" ", as flow_grpo).
-        max_sequence_length: Prompt tokens kept per record, the sources' vision tokens included (a 384²
-            source is about 190 of them); longer encodings are refused, naming this setting.
+        max_sequence_length: Prompt tokens allowed per record, the sources' vision tokens included (a 384²
+            source is about 200 of them); longer encodings are refused, naming this setting.
         prompt_cache_size: Records (prompt, sources, output size) whose encodings stay cached (least
             recently used dropped).
         source_area: Pixels of each source's VAE copy at its own aspect ratio (sides rounded to 32, as
