@@ -345,10 +345,12 @@ class TrainableWeights:
                 f"{_FLAG}.lora.target_modules is empty and {type(policy).__name__} names no default: "
                 "list the module names to adapt"
             )
+        unused = list(policy.unused_modules())  # no gradient would reach them (DDP refuses such a parameter)
         return LoraConfig(
             r=rank,
             lora_alpha=alpha,
             target_modules=targets,
+            exclude_modules=unused or None,
             init_lora_weights=True if lora.init == "default" else lora.init,
             lora_dropout=lora.dropout,
         )

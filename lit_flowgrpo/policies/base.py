@@ -341,6 +341,12 @@ class FlowPolicy(nn.Module, ABC):
         read (Wan 2.2 A14B: 2); 1 for every family with one transformer."""
         return 1
 
+    def unused_modules(self) -> tuple[str, ...]:
+        """Modules of :attr:`transformer` (their names in it) whose output never reaches the velocity, read
+        after :meth:`load`: a LoRA adapter leaves them out, since they would get no gradient and DDP refuses a
+        trained parameter that gets none (Qwen-Image's last block's text stream). Empty for most families."""
+        return ()
+
     @property
     def boundary_timestep(self) -> float | None:
         """The timestep (σ × num_train_timesteps) at which sampling hands over from the first trainable

@@ -83,6 +83,13 @@ class QwenImagePolicy(PackedLatentPolicy):
         self.guidance_scale = true_cfg_scale
         self.negative_prompt = negative_prompt
 
+    def unused_modules(self) -> tuple[str, ...]:
+        """The last block's text-stream output projection and MLP: after the last block only the image tokens
+        are read out (diffusers' ``QwenImageTransformer2DModel``), so nothing they compute reaches the
+        velocity."""
+        last = f"transformer_blocks.{len(self.transformer.transformer_blocks) - 1}"
+        return (f"{last}.attn.to_add_out", f"{last}.txt_mlp.net.0.proj", f"{last}.txt_mlp.net.2")
+
     def problems(self) -> list[str]:
         out = super().problems()
         if not self.true_cfg_scale > 0:

@@ -11,6 +11,7 @@ from peft import LoraConfig
 from tolerances import EPS32, depth, network_atol, sampling_layers
 
 from lit_flowgrpo.policies.qwenimage import QwenImagePolicy
+from lit_flowgrpo.weights import LoraSettings
 
 FLAG = "--model.init_args.policy.init_args.pretrained"
 PROMPTS = ["a red cat", "two blue dogs and three birds"]  # different token counts
@@ -217,6 +218,26 @@ def test_one_lora_training_step_trains_only_the_adapter(tiny_qwenimage_path: str
     with torch.no_grad():
         after = policy.velocity(xt, sigma, embeds, 4.0)
     assert (after - before).abs().max() > 1e-4
+
+
+def test_the_adapter_leaves_out_what_gets_no_gradient(tiny_qwenimage_path: str) -> None:
+    # The run's own path (TrainableWeights.attach) with the default targets: the last block's text-stream
+    # output and MLP get no adapter, and every adapter tensor it does add gets a gradient, as DDP needs.
+    from lit_flowgrpo.weights import TrainableWeights, WeightsSettings
+
+    policy = QwenImagePolicy(tiny_qwenimage_path, dtype="float32", max_sequence_length=MAX_LEN)
+    policy.load()
+    TrainableWeights(WeightsSettings(lora=LoraSettings(rank=4, alpha=8, init="gaussian"))).attach(policy)
+    lora = {n: p for n, p in policy.named_parameters() if p.requires_grad}
+    adapted = {n.split(".lora_")[0] for n in lora}
+    assert len(adapted) == 12 * 2 - 3
+    assert not any(m in n for n in adapted for m in policy.unused_modules())
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, *policy.latent_shape(SIZE, SIZE), generator=g)
+    policy.velocity(
+        x, torch.tensor([0.3, 0.8]), policy.encode_prompts(PROMPTS), 4.0
+    ).square().mean().backward()
+    assert all(p.grad is not None for p in lora.values()), [n for n, p in lora.items() if p.grad is None]
 
 
 def test_bad_input_names_the_flag(tmp_path, tiny_flux_path: str, tiny_qwenimage_path: str) -> None:
