@@ -374,6 +374,9 @@ class _Policy(nn.Module):
     default_lora_rank = 32  # FlowPolicy's defaults: the rank when unset, alpha 2·rank
     default_lora_alpha = None
 
+    def unused_modules(self) -> tuple[str, ...]:
+        return ()  # FlowPolicy's default
+
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)

@@ -35,6 +35,9 @@ class Policy(nn.Module):
     def trainable_networks(self) -> tuple[nn.Module, ...]:
         return (self.transformer,)
 
+    def unused_modules(self) -> tuple[str, ...]:
+        return ()
+
 
 def test_lora_reference_is_the_network_with_its_adapter_off() -> None:
     policy, x = Policy(), torch.randn(3, 4)
