@@ -6,6 +6,11 @@ prints, per checkpoint, ``strict`` / ``edit`` / ``preserve`` on the shipped held
 records × the seeds) overall and by edit kind, as one JSON line each. It samples as the quickstart's
 validation does (the deterministic Euler ODE, CPU-drawn noise per (record, seed)), so it calibrates
 the pretraining (the base must leave room to learn) and compares runs without a fit.
+
+    python -m lit_flowgrpo.toy.edit_report --curves RUN/metrics.csv [RUN/metrics.csv ...] --out curves.png
+
+draws the hacking view instead: per rollout, the training samples' ``edit`` (the proxy) against
+``preserve`` and ``strict`` (gold), one panel per run (drawn with PIL: matplotlib is an optional extra).
 """
 
 from __future__ import annotations
@@ -71,6 +76,58 @@ def evaluate_edits(
     return out
 
 
+CURVES = {"edit": (240, 170, 40), "preserve": (80, 160, 250), "strict": (60, 200, 90)}
+"""The components the hacking view draws, and their colours."""
+
+
+def read_curves(metrics_csv: str) -> dict[str, list[tuple[int, float]]]:
+    """``{component: [(rollout, training mean), ...]}`` of :data:`CURVES` from a run's ``metrics.csv``."""
+    import csv
+
+    out: dict[str, list[tuple[int, float]]] = {k: [] for k in CURVES}
+    with open(metrics_csv, encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            for k in CURVES:
+                value = row.get(f"critic/rewards/shapes_edit/{k}/mean")
+                if value:
+                    out[k].append((int(row["step"]), float(value)))
+    return out
+
+
+def curves_picture(runs: Sequence[str], labels: Sequence[str] | None = None) -> Any:
+    """One panel per run's ``metrics.csv``: per rollout, ``edit`` against ``preserve`` and ``strict`` of the
+    rollout's own samples, in [0, 1]."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    font = ImageFont.load_default()
+    w, h, pad = 360, 220, 36
+    canvas = Image.new("RGB", (len(runs) * (w + pad) + pad, h + 2 * pad + 16), (255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
+    for i, run in enumerate(runs):
+        curves = read_curves(run)
+        last = max((s for points in curves.values() for s, _ in points), default=1) or 1
+        x0, y0 = pad + i * (w + pad), pad
+        draw.rectangle([x0, y0, x0 + w, y0 + h], outline=(0, 0, 0))
+        for v in (0.0, 0.5, 1.0):
+            y = y0 + h - v * h
+            draw.line([x0, y, x0 + w, y], fill=(225, 225, 225))
+            draw.text((x0 - 24, y - 5), f"{v:.1f}", fill=(0, 0, 0), font=font)
+        draw.text((x0, y0 - 16), labels[i] if labels else run, fill=(0, 0, 0), font=font)
+        draw.text((x0 + w - 60, y0 + h + 4), f"rollout {last}", fill=(0, 0, 0), font=font)
+        for k, points in curves.items():
+            xy = [(x0 + s / last * w, y0 + h - v * h) for s, v in points]
+            if len(xy) > 1:
+                draw.line(xy, fill=CURVES[k], width=2)
+    legend = "   ".join(f"{k}" for k in CURVES)
+    draw.text(
+        (pad, h + 2 * pad),
+        f"training samples per rollout: {legend} (orange, blue, green)",
+        fill=(0, 0, 0),
+        font=font,
+    )
+    return canvas
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -80,7 +137,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-steps", type=int, default=10)
     parser.add_argument("--guidance", type=float, nargs="+", default=[1.0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--curves", nargs="+", help="metrics.csv files: draw the hacking view instead")
+    parser.add_argument("--labels", nargs="+", help="a panel title per --curves file")
+    parser.add_argument("--out", default="edit_curves.png", help="where --curves writes its picture")
     args = parser.parse_args(argv)
+    if args.curves:
+        curves_picture(args.curves, args.labels).save(args.out)
+        print(args.out)
+        return
     records = held_out_records()
     for checkpoint in args.checkpoint:
         policy = ToyEditPolicy(pretrained=checkpoint)
