@@ -215,6 +215,12 @@ def condition_problems(
                 f"are off), but {cls} takes {want} {name}(s) a record: give each record "
                 f'"{CONDITION_KEY}": [...] with {want} path(s)'
             )
+        if getattr(policy, "condition_counts_agree", False) and len(set(counts)) > 1:
+            out.append(
+                f"{flag}: its records give {sorted(set(counts))} {CONDITION_KEY} each, but {cls} batches the sources' "
+                "tokens into one sequence length: give every record of the file the same number of images (or split "
+                "the file by count, a run each)"
+            )
         height, width = outputs.get(flag, (0, 0))
         checked: set[str] = set()
         for n, r in enumerate(recs):

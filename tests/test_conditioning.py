@@ -219,6 +219,24 @@ def test_a_conditioned_policy_refuses_text_only_records_too_many_images_and_smal
     assert "4x4 is smaller than 8x8" in msg and "source image" in msg
 
 
+def test_a_family_that_batches_source_tokens_refuses_records_whose_counts_differ(tmp_path):
+    class Agreeing(SourceToyPolicy):
+        condition_counts_agree = True
+
+    one, two = _records(tmp_path, "one", 2, images=1), _records(tmp_path, "two", 2, images=2)
+    mixed = tmp_path / "mixed.jsonl"
+    rows = one.read_text().splitlines()[:1] + two.read_text().splitlines()[:1]
+    mixed.write_text("\n".join(rows) + "\n")
+    msg = _setup_problems(tmp_path, Agreeing(), {"shapes": 1.0}, mixed)
+    assert "give [1, 2] condition_images each" in msg and "same number of images" in msg
+    # the same file is fine for a family that takes each record's count alone
+    dm = PromptDataModule(train=str(mixed), prompts_per_step=2, group_size=2)
+    from lit_flowgrpo.conditioning import condition_problems
+
+    sets = {"--data.init_args.train": dm.train_records}
+    assert condition_problems(SourceToyPolicy(), sets, dm.condition_sizes, {}) == []
+
+
 def test_a_reward_that_needs_sources_refuses_text_only_records(tmp_path):
     class Needs(SourceBrightness):
         needs_sources = True

@@ -310,6 +310,9 @@ class FlowPolicy(nn.Module, ABC):
     condition_images: tuple[int, int] = (0, 0)
     #: What the messages call one conditioning image ("source image", "first frame").
     condition_name: str = "conditioning image"
+    #: Every record of a prompt set must give the same number of conditioning images: the family joins the
+    #: sources' tokens to each sample's sequence, and one batch has one sequence length (Qwen-Image-Edit).
+    condition_counts_agree: bool = False
 
     def __init__(self) -> None:
         super().__init__()

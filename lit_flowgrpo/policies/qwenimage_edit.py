@@ -31,8 +31,9 @@ Every sample of a batch must have one sequence length, and the transformer's RoP
 ``img_shapes`` for all of them, so every sample of a batch must have the same source grids. The rule that
 guarantees it, checked per image before any weight loads (:meth:`QwenImageEditPlusPolicy.condition_size_problems`):
 a source must have the outputs' aspect ratio (within 1 %; with ``source_area`` set, its VAE copy must come
-out at the size the outputs' aspect ratio gives). Records must also give the same number of sources within
-a batch; a batch that mixes counts is refused when it is encoded.
+out at the size the outputs' aspect ratio gives). Every record of a prompt set must also give the same number
+of sources (``condition_counts_agree``: refused before load; a batch that mixes counts anyway is refused when
+it is encoded).
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ class QwenImageEditPlusPolicy(QwenImagePolicy):
     """
 
     condition_images: tuple[int, int] = (1, 3)
+    condition_counts_agree = True
     condition_name: str = "source image"
     pipeline_name = "QwenImageEditPlusPipeline"
     component_names = ("text_encoder", "vae")
