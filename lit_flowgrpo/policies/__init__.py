@@ -6,6 +6,7 @@ The toy world's policy is a plugin: ``lit_flowgrpo.toy.ToyPolicy``.
 from lit_flowgrpo.policies.base import FlowPolicy
 from lit_flowgrpo.policies.flux import FluxPolicy
 from lit_flowgrpo.policies.flux2 import Flux2DevPolicy, Flux2KleinPolicy
+from lit_flowgrpo.policies.flux_kontext import FluxKontextPolicy
 from lit_flowgrpo.policies.hunyuanvideo15 import HunyuanVideo15Policy
 from lit_flowgrpo.policies.packed import PackedLatentPolicy
 from lit_flowgrpo.policies.qwenimage import QwenImagePolicy
@@ -19,6 +20,7 @@ __all__ = [
     "FlowPolicy",
     "Flux2DevPolicy",
     "Flux2KleinPolicy",
+    "FluxKontextPolicy",
     "FluxPolicy",
     "HunyuanVideo15Policy",
     "PackedLatentPolicy",

@@ -29,17 +29,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from lit_flowgrpo.attention import AttentionShape
+from lit_flowgrpo.conditioning import Condition
 from lit_flowgrpo.policies.base import HEIGHT_FLAG, WIDTH_FLAG, DType, Embeds, PromptCache, cat_embeds
 from lit_flowgrpo.policies.flux import FluxPolicy
-
-if TYPE_CHECKING:
-    from lit_flowgrpo.conditioning import Condition
 
 #: How far (in log aspect ratio) a source may be from the output's before the resize would visibly
 #: stretch it: 1 %, less than one 16-pixel step at 512 px (3 %).

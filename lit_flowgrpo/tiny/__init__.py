@@ -6,6 +6,7 @@ miniature pipelines in code, `save_pretrained` them to a folder and load them th
 
     python -m lit_flowgrpo.tiny.sd3 .tiny_models/sd3
     python -m lit_flowgrpo.tiny.flux .tiny_models/flux
+    python -m lit_flowgrpo.tiny.flux_kontext .tiny_models/flux_kontext
     python -m lit_flowgrpo.tiny.flux2 .tiny_models/flux2        (FLUX.2 dev: .tiny_models/flux2_dev dev)
     python -m lit_flowgrpo.tiny.qwenimage .tiny_models/qwenimage
     python -m lit_flowgrpo.tiny.qwenimage_edit .tiny_models/qwenimage_edit   (2511: .tiny_models/qwenimage_edit_2511 2511)

@@ -41,6 +41,7 @@ def fit_export_resume(
     trainer.update(
         accelerator="cpu",
         devices=1,
+        num_nodes=1,  # a recipe of several nodes (FLUX.1 Kontext: 4) would wait for the others
         strategy="auto",
         max_steps=2,
         limit_val_batches=0,
