@@ -12,7 +12,7 @@ summary: frames/GPU/s, MFU, peak memory, the on-policy ratio error).
     # Wan 2.1 I2V-14B at 480x832, 33 frames, LoRA, one GPU: 2 videos of 4 steps, 1 trained, CFG 5
     python benchmarks/wan_i2v.py --model wan21_i2v_14b_480p --height 480 --width 832 --frames 33
     # the CPU smoke run (the tiny pipeline's configs, seconds)
-    python benchmarks/wan_i2v.py --tiny --out /tmp/wan_i2v
+    python benchmarks/wan_i2v.py --tiny --height 32 --width 32 --frames 5 --out /tmp/wan_i2v
 
 Results: ``<out>/wan_i2v_<model>_<height>x<width>_<frames>f_sp<sp>.json``.
 """
