@@ -90,22 +90,28 @@ class FluxPolicy(PackedLatentPolicy):
         ``x + (σ_next − σ)·out``, so the network output is already the velocity of this package.
         """
         batch, rows, cols = self._check_packed(latents)
+        dtype = self.input_dtype(self.transformer)
+        img_ids = self.pipe._prepare_latent_image_ids(batch, rows, cols, latents.device, dtype)  # (seq, 3)
+        return self._forward(latents.to(dtype), img_ids, sigma, embeds)
+
+    def _forward(self, hidden_states: Tensor, img_ids: Tensor, sigma: Tensor, embeds: Embeds) -> Tensor:
+        """The transformer's output (B, seq, C) fp32 for image tokens ``hidden_states`` (B, seq, C), already in
+        the input dtype, at position ids ``img_ids`` (seq, 3): the prompt's rows, text ids all 0 and the
+        distilled guidance, as ``FluxPipeline`` and ``FluxKontextPipeline`` call it (Kontext passes the
+        noisy tokens joined to the source's)."""
         transformer = self.transformer
-        dtype = self.input_dtype(transformer)
-        device = latents.device
+        batch, dtype, device = hidden_states.shape[0], hidden_states.dtype, hidden_states.device
         prompt_embeds = embeds["prompt_embeds"].to(device, dtype)  # (B, L, D)
-        img_ids = self.pipe._prepare_latent_image_ids(batch, rows, cols, device, dtype)  # (seq, 3)
-        txt_ids = torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype)  # text ids are all 0
         guidance = None
         if transformer.config.guidance_embeds:
             guidance = torch.full((batch,), float(self.guidance_scale), device=device, dtype=torch.float32)
         out = transformer(
-            hidden_states=latents.to(dtype),
+            hidden_states=hidden_states,
             timestep=sigma.to(device=device, dtype=dtype).expand(batch),
             guidance=guidance,
             pooled_projections=embeds["pooled_prompt_embeds"].to(device, dtype),
             encoder_hidden_states=prompt_embeds,
-            txt_ids=txt_ids,
+            txt_ids=torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype),  # text ids are all 0
             img_ids=img_ids,
             return_dict=False,
         )[0]

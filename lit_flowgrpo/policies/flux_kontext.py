@@ -27,7 +27,6 @@ before any weight loads, a source smaller than the output in either side or of a
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -35,12 +34,16 @@ from torch import Tensor
 
 from lit_flowgrpo.attention import AttentionShape
 from lit_flowgrpo.conditioning import Condition
-from lit_flowgrpo.policies.base import HEIGHT_FLAG, WIDTH_FLAG, DType, Embeds, PromptCache, cat_embeds
+from lit_flowgrpo.policies.base import (
+    HEIGHT_FLAG,
+    WIDTH_FLAG,
+    DType,
+    Embeds,
+    PromptCache,
+    aspect_ratio_differs,
+    cat_embeds,
+)
 from lit_flowgrpo.policies.flux import FluxPolicy
-
-#: How far (in log aspect ratio) a source may be from the output's before the resize would visibly
-#: stretch it: 1 %, less than one 16-pixel step at 512 px (3 %).
-_ASPECT_TOLERANCE = 0.01
 
 
 class FluxKontextPolicy(FluxPolicy):
@@ -92,7 +95,7 @@ class FluxKontextPolicy(FluxPolicy):
                 f"{type(self).__name__} resizes the source to the output size (as flow_grpo's Kontext script "
                 f"does) and would upsample it; give sources of at least {out_width}x{out_height}, {fix}"
             )
-        elif abs(math.log((width / height) / (out_width / out_height))) > _ASPECT_TOLERANCE:
+        elif aspect_ratio_differs(width, height, out_width, out_height):
             out.append(
                 f"its aspect ratio ({width}x{height}) is not the outputs' ({out_width}x{out_height}): "
                 f"{type(self).__name__} resizes the source to the output size and would stretch it; crop the "
@@ -173,27 +176,17 @@ class FluxKontextPolicy(FluxPolicy):
                 f"image_latents of shape {tuple(source.shape)} do not match latents of shape "
                 f"{tuple(latents.shape)}: the source is encoded for the output's size, one row per sample"
             )
-        transformer = self.transformer
-        dtype = self.input_dtype(transformer)
-        device = latents.device
-        prompt_embeds = embeds["prompt_embeds"].to(device, dtype)  # (B, L, D)
-        latent_ids = self.pipe._prepare_latent_image_ids(batch, rows, cols, device, dtype)  # (seq, 3)
+        dtype = self.input_dtype(self.transformer)
+        latent_ids = self.pipe._prepare_latent_image_ids(batch, rows, cols, latents.device, dtype)  # (seq, 3)
         image_ids = latent_ids.clone()
         image_ids[..., 0] = 1  # FluxKontextPipeline.prepare_latents: the source's first coordinate is 1
-        guidance = None
-        if transformer.config.guidance_embeds:
-            guidance = torch.full((batch,), float(self.guidance_scale), device=device, dtype=torch.float32)
-        out = transformer(
-            hidden_states=torch.cat([latents.to(dtype), source.to(device, dtype)], dim=1),  # (B, 2·seq, C)
-            timestep=sigma.to(device=device, dtype=dtype).expand(batch),
-            guidance=guidance,
-            pooled_projections=embeds["pooled_prompt_embeds"].to(device, dtype),
-            encoder_hidden_states=prompt_embeds,
-            txt_ids=torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype),
-            img_ids=torch.cat([latent_ids, image_ids], dim=0),
-            return_dict=False,
-        )[0]
-        return out[:, : latents.shape[1]].float()  # the noisy tokens' velocity, fp32
+        out = self._forward(
+            torch.cat([latents.to(dtype), source.to(latents.device, dtype)], dim=1),  # (B, 2·seq, C)
+            torch.cat([latent_ids, image_ids], dim=0),
+            sigma,
+            embeds,
+        )
+        return out[:, : latents.shape[1]]  # the noisy tokens' velocity, fp32
 
     def attention_shape(self, height: int, width: int) -> AttentionShape:
         # Prompt tokens, then the noisy image's packed patches and as many of the source's.

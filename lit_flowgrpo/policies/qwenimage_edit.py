@@ -38,7 +38,6 @@ it is encoded).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +52,7 @@ from lit_flowgrpo.policies.base import (
     WIDTH_FLAG,
     DType,
     Embeds,
+    aspect_ratio_differs,
     cat_embeds,
     pretrained_dtype_kwargs,
     resolve_dtype,
@@ -64,9 +64,6 @@ if TYPE_CHECKING:
     from lit_flowgrpo.conditioning import Condition
 
 _FLAGS = "--model.init_args.policy.init_args"
-#: How far (in log aspect ratio) a source may be from the outputs' before its resize visibly stretches it:
-#: 1 %, less than one 16-pixel step at 512 px (3 %).
-_ASPECT_TOLERANCE = 0.01
 #: The pipeline's own sizes of a source's two copies (``CONDITION_IMAGE_SIZE``, ``VAE_IMAGE_SIZE``).
 PIPELINE_VISION_AREA = 384 * 384
 PIPELINE_SOURCE_AREA = 1024 * 1024
@@ -217,7 +214,7 @@ class QwenImageEditPlusPolicy(QwenImagePolicy):
             f"crop or pad the sources to the outputs' aspect ratio ({out_width}:{out_height}), or sample at a size "
             f"of theirs ({HEIGHT_FLAG}, {WIDTH_FLAG})"
         )
-        if abs(math.log((width / height) / (out_width / out_height))) > _ASPECT_TOLERANCE:
+        if aspect_ratio_differs(width, height, out_width, out_height):
             return [
                 f"its aspect ratio ({width}x{height}) is not the outputs' ({out_width}x{out_height}): "
                 f"{type(self).__name__} resizes every source to one grid so that a batch's sequences agree, and "
