@@ -3,40 +3,45 @@ records (a prompt and a source image each) end to end through FlowGRPOModule and
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-import lightning as L
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 import yaml
 from diffusers import FluxKontextPipeline
 from diffusers.pipelines.flux.pipeline_flux_kontext import retrieve_latents
+from edit_run import (
+    CONFIGS,
+    OBJECTIVES,
+    assert_resume_is_exact,
+    condition,
+    edit_data,
+    fit_moving_the_adapter,
+    recipe_on_two_processes,
+    write_source,
+    write_sources,
+)
 from PIL import Image
 from recipe_run import fit_export_resume
-from test_module import logged, lora_state, make_trainer
+from test_module import logged, make_trainer
 from tolerances import depth, network_atol, sampling_layers
 
 from lit_flowgrpo import (
     FlowGRPOModule,
     KLSettings,
     LoraSettings,
-    PromptDataModule,
     Sampler,
     UpdateSettings,
     WeightsSettings,
 )
-from lit_flowgrpo.conditioning import Condition, read_rgb
+from lit_flowgrpo.conditioning import Condition
 from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.kl import ReferenceSettings
-from lit_flowgrpo.objective import DiffusionNFT, FlowDPPO, FlowGRPO, GRPOGuard, GRPOGuardRatioNorm
+from lit_flowgrpo.objective import FlowGRPO
 from lit_flowgrpo.policies.base import HEIGHT_FLAG, pretrained_dtype_kwargs
 from lit_flowgrpo.policies.flux_kontext import FluxKontextPolicy
 from lit_flowgrpo.rollout import per_sample_generators, sample_trajectory
@@ -50,18 +55,6 @@ MAX_LEN = 24
 RECIPE = "flux_kontext_geneval_flowgrpo.yaml"
 
 
-def write_source(path: Path, width: int, height: int, seed: int) -> str:
-    """A smooth random RGB PNG (a 4x4 grid of colours, resized with bilinear filtering)."""
-    rng = np.random.default_rng(seed)
-    small = Image.fromarray(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8))
-    small.resize((width, height), Image.Resampling.BILINEAR).save(path)
-    return str(path)
-
-
-def condition(path: str) -> Condition:
-    return Condition([read_rgb(path)], path)
-
-
 @pytest.fixture(scope="module")
 def tiny_kontext_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_flux_kontext(tmp_path_factory.mktemp("tiny_flux_kontext"))
@@ -69,11 +62,8 @@ def tiny_kontext_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("sources")
     sizes = {"a": (SIZE, SIZE), "b": (SIZE, SIZE), "big": (2 * SIZE, 2 * SIZE)}
-    return {
-        name: write_source(root / f"{name}.png", *wh, seed=i) for i, (name, wh) in enumerate(sizes.items())
-    }
+    return write_sources(tmp_path_factory.mktemp("sources"), sizes)
 
 
 @pytest.fixture(scope="module")
@@ -279,24 +269,6 @@ def kontext_module(path: str, objective=None, lora: bool = True, reward=None, kl
     )
 
 
-def edit_data(records: str, **overrides) -> PromptDataModule:
-    settings = dict(
-        train=records,
-        val=records,
-        prompts_per_step=2,
-        group_size=4,
-        val_batch_size=4,
-        max_val_prompts=2,
-        seed=3,
-    )
-    settings.update(overrides)
-    return PromptDataModule(**settings)
-
-
-def trainable(module: FlowGRPOModule) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in module.policy.transformer.named_parameters() if p.requires_grad}
-
-
 @pytest.mark.slow
 def test_one_rollout_scores_the_sources_updates_and_validates(tiny_kontext_path: str, tmp_path: Path) -> None:
     records = edit_records(tmp_path / "data")
@@ -304,22 +276,12 @@ def test_one_rollout_scores_the_sources_updates_and_validates(tiny_kontext_path:
     module = kontext_module(tiny_kontext_path, reward=reward)
     trainer = make_trainer(tmp_path, max_steps=2, limit_val_batches=1, val_check_interval=1)
     trainer.check_val_every_n_epoch = None
-    before = None
-
-    class Before(L.Callback):
-        def on_train_start(self, trainer, pl_module):
-            nonlocal before
-            before = trainable(pl_module)
-
-    trainer.callbacks.append(Before())
-    trainer.fit(module, datamodule=edit_data(records))
+    fit_moving_the_adapter(module, trainer, edit_data(records))
     row = next(r for r in logged(trainer) if "actor/loss" in r)
     assert math.isfinite(row["actor/loss"]) and row["reward/failure_rate"] == 0.0
     assert row["actor/on_policy_ratio_err"] <= UpdateSettings().on_policy_tolerance(fp32=True)
     # The reward saw each sample's source at its file's size (the first record's is 64 px).
     assert set(reward.seen) <= {(3, SIZE, SIZE), (3, 2 * SIZE, 2 * SIZE)} and len(reward.seen) >= 8
-    after = trainable(module)
-    assert any(not torch.equal(after[k], before[k]) for k in before), "the adapter did not move"
     assert any(k.startswith("val-") for r in logged(trainer) for k in r), "no validation was logged"
 
 
@@ -327,34 +289,9 @@ def test_one_rollout_scores_the_sources_updates_and_validates(tiny_kontext_path:
 def test_resume_is_exact(tiny_kontext_path: str, tmp_path: Path) -> None:
     """With validation on and the prompt and source caches on: the uninterrupted run's second rollout finds
     records cached that the resumed run, whose caches start empty, encodes afresh."""
-    records = edit_records(tmp_path / "data", n=3)
-    data = dict(max_val_prompts=3, val_batch_size=3)
-    validating = dict(limit_val_batches=1, val_check_interval=2, check_val_every_n_epoch=None)
-
-    def run(root: str, max_steps: int, **fit):
-        module = kontext_module(tiny_kontext_path)
-        trainer = make_trainer(tmp_path / root, max_steps=max_steps, **validating)
-        trainer.fit(module, datamodule=edit_data(records, **data), **fit)
-        return module, trainer
-
-    straight, _ = run("a", 4)
-    _, trainer = run("b", 2)
-    ckpt = tmp_path / "half.ckpt"
-    trainer.save_checkpoint(ckpt)
-    resumed, _ = run("c", 4, ckpt_path=ckpt)
-    a, b = lora_state(straight), lora_state(resumed)
-    assert a.keys() == b.keys() and a
-    differ = [key for key in a if not torch.equal(a[key], b[key])]
-    assert not differ, f"{len(differ)} of {len(a)} LoRA tensors differ after the resume, e.g. {differ[:3]}"
-
-
-OBJECTIVES = {
-    "flow_grpo": lambda: FlowGRPO(clip_range=1e-2),
-    "grpo_guard": lambda: GRPOGuard(clip_range=2e-6),
-    "grpo_guard_ratio_norm": lambda: GRPOGuardRatioNorm(clip_range=1e-3),
-    "flow_dppo": lambda: FlowDPPO(),
-    "diffusion_nft": lambda: DiffusionNFT(),
-}
+    assert_resume_is_exact(
+        lambda: kontext_module(tiny_kontext_path), edit_records(tmp_path / "data", n=3), tmp_path
+    )
 
 
 @pytest.mark.slow
@@ -421,9 +358,7 @@ def test_a_source_smaller_than_the_output_is_refused_before_load(
 def test_the_recipe_holds_the_published_numbers() -> None:
     """flow_grpo config/grpo.py counting_flux_kontext(): 28 GPUs x train_batch_size 3, 21 per record, 48
     records, pushed through its own arithmetic (lcm, then batches per epoch, then accumulation)."""
-    cfg = yaml.safe_load(
-        (Path(__file__).resolve().parents[2] / "lit_flowgrpo" / "configs" / RECIPE).read_text()
-    )
+    cfg = yaml.safe_load((CONFIGS / RECIPE).read_text())
     gpus, per_gpu, group, unique = 28, 3, 21, 48
     images = math.lcm(group * unique, gpus * per_gpu)
     batches = images // (gpus * per_gpu)
@@ -461,44 +396,14 @@ def test_the_recipe_runs_on_two_processes(strategy: str, tiny_kontext_path: str,
     """The recipe under its own strategy (DDP, as users run it: no search for unused parameters) and under
     fsdp2 (the transformer sharded per block), on 2 CPU processes (gloo) launched by torchrun: one rollout
     with the sources, two optimizer steps, the on-policy ratio within the fp32 tolerance."""
-    records = edit_records(tmp_path / "data")
-    cfg = yaml.safe_load(
-        (Path(__file__).resolve().parents[2] / "lit_flowgrpo" / "configs" / RECIPE).read_text()
+    recipe_on_two_processes(
+        RECIPE,
+        strategy,
+        edit_records(tmp_path / "data"),
+        tmp_path,
+        policy=dict(pretrained=tiny_kontext_path, dtype="float32", max_sequence_length=16),
+        sampler=dict(height=SIZE, width=SIZE, num_steps=3, eval_num_steps=2, batch_size=2),
     )
-    cfg["trainer"].update(
-        accelerator="cpu",
-        devices=2,
-        num_nodes=1,
-        strategy=strategy,
-        max_steps=2,
-        limit_val_batches=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path / "run"),
-        logger={
-            "class_path": "lightning.pytorch.loggers.CSVLogger",
-            "init_args": {"save_dir": str(tmp_path / "run")},
-        },
-        callbacks=[],
-    )
-    model = cfg["model"]["init_args"]
-    model["policy"]["init_args"].update(pretrained=tiny_kontext_path, dtype="float32", max_sequence_length=16)
-    model["reward"]["init_args"] = {"weights": {"jpeg_compressibility": 1.0}}
-    model["sampler"].update(height=SIZE, width=SIZE, num_steps=3, eval_num_steps=2, batch_size=2)
-    model["update"]["micro_batch_size"] = 2
-    cfg["data"]["init_args"].update(train=records, val=None, prompts_per_step=2, group_size=4)
-    config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    script = tmp_path / "cli.py"
-    script.write_text("from lit_flowgrpo.cli import main\n\nmain()\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    done = subprocess.run([*cmd, "fit", "--config", str(config)], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    (metrics,) = (tmp_path / "run").rglob("metrics.csv")
-    rows = [{k: float(v) for k, v in r.items() if v != ""} for r in csv.DictReader(metrics.open())]
-    row = next(r for r in rows if "actor/loss" in r)
-    assert math.isfinite(row["actor/loss"]) and row["reward/failure_rate"] == 0.0
-    assert row["actor/on_policy_ratio_err"] <= UpdateSettings().on_policy_tolerance(fp32=True)
 
 
 @pytest.mark.slow

@@ -4,39 +4,44 @@ through FlowGRPOModule and the CLI."""
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-import lightning as L
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 import yaml
 from diffusers import QwenImageEditPlusPipeline
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
+from edit_run import (
+    CONFIGS,
+    OBJECTIVES,
+    assert_resume_is_exact,
+    condition,
+    edit_data,
+    fit_moving_the_adapter,
+    recipe_on_two_processes,
+    write_source,
+    write_sources,
+)
 from PIL import Image
 from recipe_run import fit_export_resume
-from test_module import logged, lora_state, make_trainer
+from test_module import logged, make_trainer
 from tolerances import depth, network_atol, sampling_layers
 
 from lit_flowgrpo import (
     FlowGRPOModule,
     KLSettings,
     LoraSettings,
-    PromptDataModule,
     Sampler,
     UpdateSettings,
     WeightsSettings,
 )
-from lit_flowgrpo.conditioning import Condition, read_rgb
+from lit_flowgrpo.conditioning import Condition
 from lit_flowgrpo.errors import SettingsError
-from lit_flowgrpo.objective import DiffusionNFT, FlowDPPO, FlowGRPO, GRPOGuard, GRPOGuardRatioNorm
+from lit_flowgrpo.objective import FlowGRPO
 from lit_flowgrpo.policies.base import HEIGHT_FLAG, pretrained_dtype_kwargs
 from lit_flowgrpo.policies.qwenimage_edit import QwenImageEditPlusPolicy, load_processor
 from lit_flowgrpo.rollout import per_sample_generators, sample_trajectory
@@ -60,18 +65,6 @@ class EditPipeline:
         return QwenImageEditPlusPipeline.from_pretrained(path, processor=load_processor(path), **kwargs)
 
 
-def write_source(path: Path, width: int, height: int, seed: int) -> str:
-    """A smooth random RGB PNG (a 4x4 grid of colours, resized with bilinear filtering)."""
-    rng = np.random.default_rng(seed)
-    small = Image.fromarray(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8))
-    small.resize((width, height), Image.Resampling.BILINEAR).save(path)
-    return str(path)
-
-
-def condition(*paths: str) -> Condition:
-    return Condition([read_rgb(p) for p in paths], "|".join(paths))
-
-
 @pytest.fixture(scope="module")
 def tiny_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {
@@ -87,11 +80,8 @@ def tiny_path(tiny_paths: dict[str, str]) -> str:
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("sources")
     sizes = {"a": (SIZE, SIZE), "b": (SIZE, SIZE), "big": (2 * SIZE, 2 * SIZE), "wide": (2 * SIZE, SIZE)}
-    return {
-        name: write_source(root / f"{name}.png", *wh, seed=i) for i, (name, wh) in enumerate(sizes.items())
-    }
+    return write_sources(tmp_path_factory.mktemp("sources"), sizes)
 
 
 def make_policy(path: str, **overrides) -> QwenImageEditPlusPolicy:
@@ -371,24 +361,6 @@ def edit_module(
     )
 
 
-def edit_data(records: str, **overrides) -> PromptDataModule:
-    settings = dict(
-        train=records,
-        val=records,
-        prompts_per_step=2,
-        group_size=4,
-        val_batch_size=4,
-        max_val_prompts=2,
-        seed=3,
-    )
-    settings.update(overrides)
-    return PromptDataModule(**settings)
-
-
-def trainable(module: FlowGRPOModule) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in module.policy.transformer.named_parameters() if p.requires_grad}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("per_record", [1, 2], ids=["1src", "2src"])
 def test_one_rollout_scores_the_sources_updates_and_validates(
@@ -399,23 +371,13 @@ def test_one_rollout_scores_the_sources_updates_and_validates(
     module = edit_module(tiny_path, reward=reward)
     trainer = make_trainer(tmp_path, max_steps=2, limit_val_batches=1, val_check_interval=1)
     trainer.check_val_every_n_epoch = None
-    before = None
-
-    class Before(L.Callback):
-        def on_train_start(self, trainer, pl_module):
-            nonlocal before
-            before = trainable(pl_module)
-
-    trainer.callbacks.append(Before())
-    trainer.fit(module, datamodule=edit_data(records))
+    fit_moving_the_adapter(module, trainer, edit_data(records))
     row = next(r for r in logged(trainer) if "actor/loss" in r)
     assert math.isfinite(row["actor/loss"]) and row["reward/failure_rate"] == 0.0
     assert row["actor/on_policy_ratio_err"] <= UpdateSettings().on_policy_tolerance(fp32=True)
     # The reward saw each sample's sources at their files' sizes (the first record's first is 64 px).
     shapes = {(3, SIZE, SIZE), (3, 2 * SIZE, 2 * SIZE)}
     assert len(reward.seen) >= 8 and all(len(r) == per_record and set(r) <= shapes for r in reward.seen)
-    after = trainable(module)
-    assert any(not torch.equal(after[k], before[k]) for k in before), "the adapter did not move"
     assert any(k.startswith("val-") for r in logged(trainer) for k in r), "no validation was logged"
 
 
@@ -424,33 +386,7 @@ def test_resume_is_exact(tiny_path: str, tmp_path: Path) -> None:
     """With validation and the record cache on: the uninterrupted run's second rollout finds records cached
     that the resumed run, whose cache starts empty, encodes afresh."""
     records = edit_records(tmp_path / "data", n=3, per_record=2)
-    data = dict(max_val_prompts=3, val_batch_size=3)
-    validating = dict(limit_val_batches=1, val_check_interval=2, check_val_every_n_epoch=None)
-
-    def run(root: str, max_steps: int, **fit):
-        module = edit_module(tiny_path)
-        trainer = make_trainer(tmp_path / root, max_steps=max_steps, **validating)
-        trainer.fit(module, datamodule=edit_data(records, **data), **fit)
-        return module, trainer
-
-    straight, _ = run("a", 4)
-    _, trainer = run("b", 2)
-    ckpt = tmp_path / "half.ckpt"
-    trainer.save_checkpoint(ckpt)
-    resumed, _ = run("c", 4, ckpt_path=ckpt)
-    a, b = lora_state(straight), lora_state(resumed)
-    assert a.keys() == b.keys() and a
-    differ = [key for key in a if not torch.equal(a[key], b[key])]
-    assert not differ, f"{len(differ)} of {len(a)} LoRA tensors differ after the resume, e.g. {differ[:3]}"
-
-
-OBJECTIVES = {
-    "flow_grpo": lambda: FlowGRPO(clip_range=1e-2),
-    "grpo_guard": lambda: GRPOGuard(clip_range=2e-6),
-    "grpo_guard_ratio_norm": lambda: GRPOGuardRatioNorm(clip_range=1e-3),
-    "flow_dppo": lambda: FlowDPPO(),
-    "diffusion_nft": lambda: DiffusionNFT(),
-}
+    assert_resume_is_exact(lambda: edit_module(tiny_path), records, tmp_path)
 
 
 @pytest.mark.slow
@@ -526,9 +462,7 @@ def test_sources_of_another_aspect_ratio_are_refused_before_load(tiny_path: str,
 def test_the_recipe_holds_the_published_numbers() -> None:
     """flow_grpo config/grpo.py repairany_qwenimage_edit_plus_fast(): 2 GPUs x train_batch_size 4, 4 per
     record, 32 records an epoch, pushed through its own arithmetic (batches per epoch, then accumulation)."""
-    cfg = yaml.safe_load(
-        (Path(__file__).resolve().parents[2] / "lit_flowgrpo" / "configs" / RECIPE).read_text()
-    )
+    cfg = yaml.safe_load((CONFIGS / RECIPE).read_text())
     gpus, per_gpu, group, unique = 2, 4, 4, 32
     batches = int(unique / (gpus * per_gpu / group))  # num_batches_per_epoch = 16
     images = gpus * per_gpu * batches
@@ -585,42 +519,11 @@ def test_the_recipe_runs_on_two_processes(strategy: str, tiny_path: str, tmp_pat
     """The recipe under its own strategy (fsdp2: the transformer sharded per block) and under DDP, on 2 CPU
     processes (gloo) launched by torchrun: one rollout with two sources a record, two optimizer steps, the
     on-policy ratio exact (fp32)."""
-    records = edit_records(tmp_path / "data", per_record=2)
-    cfg = yaml.safe_load(
-        (Path(__file__).resolve().parents[2] / "lit_flowgrpo" / "configs" / RECIPE).read_text()
+    recipe_on_two_processes(
+        RECIPE,
+        strategy,
+        edit_records(tmp_path / "data", per_record=2),
+        tmp_path,
+        policy=dict(pretrained=tiny_path, dtype="float32", max_sequence_length=MAX_LEN, vision_area=VISION),
+        sampler=dict(height=SIZE, width=SIZE, num_steps=5, eval_num_steps=2, batch_size=2),
     )
-    cfg["trainer"].update(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=2,
-        limit_val_batches=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path / "run"),
-        logger={
-            "class_path": "lightning.pytorch.loggers.CSVLogger",
-            "init_args": {"save_dir": str(tmp_path / "run")},
-        },
-        callbacks=[],
-    )
-    model = cfg["model"]["init_args"]
-    model["policy"]["init_args"].update(
-        pretrained=tiny_path, dtype="float32", max_sequence_length=MAX_LEN, vision_area=VISION
-    )
-    model["reward"]["init_args"] = {"weights": {"jpeg_compressibility": 1.0}}
-    model["sampler"].update(height=SIZE, width=SIZE, num_steps=5, eval_num_steps=2, batch_size=2)
-    model["update"]["micro_batch_size"] = 2
-    cfg["data"]["init_args"].update(train=records, val=None, prompts_per_step=2, group_size=4)
-    config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    script = tmp_path / "cli.py"
-    script.write_text("from lit_flowgrpo.cli import main\n\nmain()\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    done = subprocess.run([*cmd, "fit", "--config", str(config)], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    (metrics,) = (tmp_path / "run").rglob("metrics.csv")
-    rows = [{k: float(v) for k, v in r.items() if v != ""} for r in csv.DictReader(metrics.open())]
-    row = next(r for r in rows if "actor/loss" in r)
-    assert math.isfinite(row["actor/loss"]) and row["reward/failure_rate"] == 0.0
-    assert row["actor/on_policy_ratio_err"] <= UpdateSettings().on_policy_tolerance(fp32=True)
