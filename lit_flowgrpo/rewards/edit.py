@@ -52,7 +52,13 @@ from torch import Tensor
 from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.rewards.images import ImageFormat, check_images, data_url, to_pil
 from lit_flowgrpo.rewards.registry import register_reward
-from lit_flowgrpo.rewards.remote import RemoteEndpoint, bearer_headers, chat_body, chat_reply
+from lit_flowgrpo.rewards.remote import (
+    RemoteEndpoint,
+    bearer_headers,
+    chat_body,
+    chat_reply,
+    chat_settings_problems,
+)
 
 __all__ = [
     "DEFAULT_COMPONENTS",
@@ -240,15 +246,9 @@ class EditJudgeReward:
                     f"{{metadata[key]}}, or has a stray brace ({type(err).__name__}: {err}); write a literal "
                     "brace as {{ or }}"
                 )
-        if not score_max > 0:
-            problems.append(f"{_FLAG}.score_max ({score_max}) must be positive")
-        if image_format not in ("png", "jpeg"):
-            problems.append(f"{_FLAG}.image_format ({image_format!r}) must be 'png' or 'jpeg'")
+        problems += chat_settings_problems(_FLAG, score_max, image_format, extra_body)
         if max_side is not None and max_side < 1:
             problems.append(f"{_FLAG}.max_side ({max_side}) must be positive or null")
-        clash = sorted({"model", "messages"} & set(extra_body or {}))
-        if clash:
-            problems.append(f"{_FLAG}.extra_body sets {clash}: those come from the other settings")
         if problems:
             raise SettingsError("; ".join(problems))
         self.patterns = patterns

@@ -102,6 +102,22 @@ def chat_body(
     return json.dumps(payload).encode("utf-8")
 
 
+def chat_settings_problems(
+    flag: str, score_max: float, image_format: str, extra_body: Mapping[str, Any] | None
+) -> list[str]:
+    """Problems with the settings every chat judge has (empty when fine), each naming ``flag``'s field: the
+    score's divisor, the images' encoding, and ``extra_body`` fields that :func:`chat_body` would override."""
+    out = []
+    if not score_max > 0:
+        out.append(f"{flag}.score_max ({score_max}) must be positive")
+    if image_format not in ("png", "jpeg"):
+        out.append(f"{flag}.image_format ({image_format!r}) must be 'png' or 'jpeg'")
+    clash = sorted({"model", "messages"} & set(extra_body or {}))
+    if clash:
+        out.append(f"{flag}.extra_body sets {clash}: those come from the other settings")
+    return out
+
+
 def chat_reply(raw: bytes) -> Any:
     """The first choice's ``message.content`` of a chat completion (``None`` where the server sent null);
     a body that is not one raises ``ValueError`` (a retryable failure)."""

@@ -40,7 +40,13 @@ from lit_flowgrpo.rewards.images import (
     to_pil_resized,
 )
 from lit_flowgrpo.rewards.registry import register_reward
-from lit_flowgrpo.rewards.remote import RemoteEndpoint, bearer_headers, chat_body, chat_reply
+from lit_flowgrpo.rewards.remote import (
+    RemoteEndpoint,
+    bearer_headers,
+    chat_body,
+    chat_reply,
+    chat_settings_problems,
+)
 
 _FLAG = "--model.init_args.reward.init_args.config.vlm_judge"
 
@@ -126,10 +132,7 @@ class VLMJudgeReward:
             problems.append(f"{_FLAG}.score_pattern ({score_pattern!r}) is not a valid regex: {err}")
         if "{prompt}" not in template:
             problems.append(f"{_FLAG}.template must contain {{prompt}}, where the sample's prompt goes")
-        if not score_max > 0:
-            problems.append(f"{_FLAG}.score_max ({score_max}) must be positive")
-        if image_format not in ("png", "jpeg"):
-            problems.append(f"{_FLAG}.image_format ({image_format!r}) must be 'png' or 'jpeg'")
+        problems += chat_settings_problems(_FLAG, score_max, image_format, extra_body)
         if resize is not None and resize < 1:
             problems.append(f"{_FLAG}.resize ({resize}) must be positive or null")
         if "{prompt}" not in video_template:
@@ -140,9 +143,6 @@ class VLMJudgeReward:
             problems.append(f"{_FLAG}.fps ({fps}) must be positive")
         if max_frames is not None and max_frames < 1:
             problems.append(f"{_FLAG}.max_frames ({max_frames}) must be at least 1, or null for every frame")
-        clash = sorted({"model", "messages"} & set(extra_body or {}))
-        if clash:
-            problems.append(f"{_FLAG}.extra_body sets {clash}: those come from the other settings")
         if problems:
             raise ValueError("; ".join(problems))
         self.video_template = video_template
