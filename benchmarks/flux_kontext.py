@@ -28,12 +28,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import lightning as L
-import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
-from throughput import TINY, BenchFluxPolicy, MemoryLogger, summarise  # benchmarks/ siblings
+from throughput import (  # benchmarks/ siblings
+    TINY,
+    BenchFluxPolicy,
+    MemoryLogger,
+    conditioned_records,
+    measuring_trainer,
+    summarise,
+)
 from torch import Tensor
 
 from lit_flowgrpo import (
@@ -87,19 +91,6 @@ class Preservation:
         return 1.0 - (images - torch.cat(resized)).abs().flatten(1).mean(1)
 
 
-def write_records(root: Path, count: int, size: int) -> str:
-    """``count`` editing records, each with its own smooth random ``size`` x ``size`` source PNG."""
-    lines = []
-    for i in range(count):
-        rng = np.random.default_rng(i)
-        small = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
-        small.resize((size, size), Image.Resampling.BILINEAR).save(root / f"src{i}.png")
-        lines.append(json.dumps({"prompt": f"make object {i} red", "condition_images": [f"src{i}.png"]}))
-    path = root / "edits.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     spec = TINY["flux"] if args.tiny else SPECS["flux"]
     if args.text_tokens and not args.tiny:  # T5 tokens per prompt (the recipe's max_sequence_length)
@@ -131,22 +122,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     logger = MemoryLogger()
     with tempfile.TemporaryDirectory() as root:
-        records = write_records(Path(root), args.prompts, size)
-        trainer = L.Trainer(
-            accelerator="gpu" if device.startswith("cuda") else "cpu",
-            devices=1,
-            max_epochs=1,
-            limit_train_batches=steps_total,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            logger=logger,
-            callbacks=[RLThroughputMonitor()],
-            log_every_n_steps=1,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=root,
-        )
+        prompts = [f"make object {i} red" for i in range(args.prompts)]
+        records = conditioned_records(Path(root), prompts, size, size)
+        trainer = measuring_trainer(root, device, steps_total, logger, [RLThroughputMonitor()])
         data = PromptDataModule(train=records, prompts_per_step=args.prompts, group_size=args.group, seed=0)
         start = time.perf_counter()
         trainer.fit(module, datamodule=data)

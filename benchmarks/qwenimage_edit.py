@@ -21,15 +21,18 @@ import os
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import lightning as L
-import numpy as np
 import torch
-from PIL import Image
-from throughput import MemoryLogger, brightness, summarise  # benchmarks/ siblings
+from throughput import (  # benchmarks/ siblings
+    MemoryLogger,
+    brightness,
+    building_on,
+    conditioned_records,
+    measuring_trainer,
+    summarise,
+)
 
 from lit_flowgrpo import (
     FlowGRPO,
@@ -59,18 +62,6 @@ def tiny_spec() -> dict[str, Any]:
         text_encoder=dict(text_config=tiny_edit.TEXT, vision_config=tiny_edit.VISION),
         processor=tiny_edit.PROCESSOR,
     )
-
-
-@contextmanager
-def building_on(device: torch.device, dtype: torch.dtype):
-    """Modules built inside get their random weights directly on ``device`` in ``dtype``."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 class BenchQwenImageEditPolicy(QwenImageEditPlusPolicy):
@@ -133,20 +124,6 @@ class BenchQwenImageEditPolicy(QwenImageEditPlusPolicy):
         self.pipe = pipe
 
 
-def edit_records(root: Path, records: int, size: int) -> str:
-    rng = np.random.default_rng(0)
-    lines = []
-    for i in range(records):
-        small = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
-        small.resize((size, size), Image.Resampling.BILINEAR).save(root / f"src{i}.png")
-        lines.append(
-            json.dumps({"prompt": f"make the object number {i} red", "condition_images": [f"src{i}.png"]})
-        )
-    path = root / "edits.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU (a check of the script)")
@@ -198,23 +175,11 @@ def main(argv: list[str] | None = None) -> None:
     logger = MemoryLogger()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(
-            accelerator="gpu" if cuda else "cpu",
-            devices=1,
-            max_epochs=1,
-            limit_train_batches=args.warmup + args.steps,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            logger=logger,
-            callbacks=[RLThroughputMonitor()],
-            log_every_n_steps=1,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=root,
-        )
+        device = "cuda" if cuda else "cpu"
+        trainer = measuring_trainer(root, device, args.warmup + args.steps, logger, [RLThroughputMonitor()])
+        prompts = [f"make the object number {i} red" for i in range(args.records)]
         data = PromptDataModule(
-            train=edit_records(Path(root), args.records, size),
+            train=conditioned_records(Path(root), prompts, size, size),
             prompts_per_step=args.records,
             group_size=args.group,
             seed=0,

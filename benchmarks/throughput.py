@@ -79,6 +79,7 @@ import numpy as np
 import torch
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
+from PIL import Image
 from torch import Tensor, nn
 
 from lit_flowgrpo import (
@@ -232,7 +233,7 @@ def tiny_spec(model: str) -> dict[str, Any]:
 
 
 @contextmanager
-def _building_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+def building_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
     """Modules built inside get their (random) weights directly on ``device`` in ``dtype``: a 20B
     model is never materialised in fp32 or on the host, and every buffer is computed as usual."""
     previous = torch.get_default_dtype()
@@ -244,17 +245,17 @@ def _building_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _frozen(module: nn.Module) -> nn.Module:
+def frozen(module: nn.Module) -> nn.Module:
     return module.requires_grad_(False).eval()
 
 
-def _random_rows(key: str, shape: Sequence[int], device: torch.device, dtype: torch.dtype) -> Tensor:
+def random_rows(key: str, shape: Sequence[int], device: torch.device, dtype: torch.dtype) -> Tensor:
     """A fixed random tensor per prompt (the same prompt always gets the same embedding)."""
     gen = torch.Generator(device=device).manual_seed(zlib.crc32(key.encode()))
     return torch.randn(tuple(shape), generator=gen, device=device, dtype=torch.float32).to(dtype)
 
 
-class _RandomWeights:
+class RandomWeights:
     """What the benchmark policies share: the spec, the device and the dtype to build with."""
 
     def _setup(self, spec: dict[str, Any], device: str, dtype: str) -> None:
@@ -279,10 +280,10 @@ class _RandomWeights:
             diffusers, self.spec.get("scheduler_class", "FlowMatchEulerDiscreteScheduler")
         )
         with self._seeded(0):
-            with _building_on(self.build_device, self.build_dtype):
-                transformer = _frozen(transformer_cls(**self.spec["transformer"]))
-            with _building_on(self.build_device, vae_dtype or self.build_dtype):
-                vae = _frozen(vae_cls(**self.spec["vae"]))
+            with building_on(self.build_device, self.build_dtype):
+                transformer = frozen(transformer_cls(**self.spec["transformer"]))
+            with building_on(self.build_device, vae_dtype or self.build_dtype):
+                vae = frozen(vae_cls(**self.spec["vae"]))
         return transformer, vae, scheduler_cls(**self.spec["scheduler"])
 
     @contextmanager
@@ -296,7 +297,7 @@ class _RandomWeights:
             yield
 
 
-class BenchSD3Policy(_RandomWeights, SD3Policy):
+class BenchSD3Policy(RandomWeights, SD3Policy):
     """:class:`SD3Policy` on random weights from the config; prompts map to fixed random embeddings."""
 
     def __init__(self, spec: dict[str, Any], device: str, dtype: str = "bfloat16") -> None:
@@ -321,8 +322,8 @@ class BenchSD3Policy(_RandomWeights, SD3Policy):
         for p in prompts:
             if p not in self._cache:  # cached like the real encoder's output (velocity asks for "" each call)
                 self._cache[p] = (
-                    _random_rows(p, (text["tokens"], text["dim"]), device, dtype),
-                    _random_rows("pooled:" + p, (text["pooled"],), device, dtype),
+                    random_rows(p, (text["tokens"], text["dim"]), device, dtype),
+                    random_rows("pooled:" + p, (text["pooled"],), device, dtype),
                 )
         rows = [self._cache[p] for p in prompts]
         return {
@@ -331,7 +332,7 @@ class BenchSD3Policy(_RandomWeights, SD3Policy):
         }
 
 
-class BenchFluxPolicy(_RandomWeights, FluxPolicy):
+class BenchFluxPolicy(RandomWeights, FluxPolicy):
     """:class:`FluxPolicy` on random weights from the config; T5 and CLIP rows are random."""
 
     def __init__(self, spec: dict[str, Any], device: str, dtype: str = "bfloat16") -> None:
@@ -351,12 +352,12 @@ class BenchFluxPolicy(_RandomWeights, FluxPolicy):
     def _encode_one(self, prompt: str) -> Embeds:
         text, device, dtype = self.spec["text"], self.build_device, self.build_dtype
         return {
-            "prompt_embeds": _random_rows(prompt, (1, text["tokens"], text["dim"]), device, dtype),
-            "pooled_prompt_embeds": _random_rows("pooled:" + prompt, (1, text["pooled"]), device, dtype),
+            "prompt_embeds": random_rows(prompt, (1, text["tokens"], text["dim"]), device, dtype),
+            "pooled_prompt_embeds": random_rows("pooled:" + prompt, (1, text["pooled"]), device, dtype),
         }
 
 
-class BenchQwenImagePolicy(_RandomWeights, QwenImagePolicy):
+class BenchQwenImagePolicy(RandomWeights, QwenImagePolicy):
     """:class:`QwenImagePolicy` on random weights from the config; Qwen2.5-VL rows are random."""
 
     def __init__(self, spec: dict[str, Any], device: str, dtype: str = "bfloat16") -> None:
@@ -377,10 +378,10 @@ class BenchQwenImagePolicy(_RandomWeights, QwenImagePolicy):
         text, device, dtype = self.spec["text"], self.build_device, self.build_dtype
         # the negative prompt " " is one token after the template; other prompts take the spec's length
         tokens = 1 if not prompt.strip() else text["tokens"]
-        return {"prompt_embeds": _random_rows(prompt, (1, tokens, text["dim"]), device, dtype)}
+        return {"prompt_embeds": random_rows(prompt, (1, tokens, text["dim"]), device, dtype)}
 
 
-class BenchWanPolicy(_RandomWeights, WanPolicy):
+class BenchWanPolicy(RandomWeights, WanPolicy):
     """:class:`WanPolicy` on random weights from the config; UMT5 states are random rows of the padded
     length (the pipeline pads every prompt to ``max_sequence_length``, so the cross-attention costs
     the same whatever the prompt). The VAE in the policy's ``vae_dtype`` (float32, as the recipe).
@@ -430,8 +431,8 @@ class BenchWanPolicy(_RandomWeights, WanPolicy):
         transformer_2, boundary = None, None
         if self.spec.get("experts", 1) == 2:
             # Another expert than the first (seed 1), the same one in every process and every run.
-            with self._seeded(1), _building_on(self.build_device, self.build_dtype):
-                transformer_2 = _frozen(WanTransformer3DModel(**self.spec["transformer"]))
+            with self._seeded(1), building_on(self.build_device, self.build_dtype):
+                transformer_2 = frozen(WanTransformer3DModel(**self.spec["transformer"]))
             boundary = self.spec["boundary_ratio"]
         none = dict.fromkeys(("text_encoder", "tokenizer"))
         self.pipe = WanPipeline(
@@ -448,10 +449,10 @@ class BenchWanPolicy(_RandomWeights, WanPolicy):
 
     def _encode_one(self, prompt: str) -> Embeds:
         text, device, dtype = self.spec["text"], self.build_device, self.build_dtype
-        return {"prompt_embeds": _random_rows(prompt, (1, text["tokens"], text["dim"]), device, dtype)}
+        return {"prompt_embeds": random_rows(prompt, (1, text["tokens"], text["dim"]), device, dtype)}
 
 
-class _BenchFlux2(_RandomWeights):
+class _BenchFlux2(RandomWeights):
     """What the FLUX.2 benchmark policies share: the spec's pipeline class (klein or dev) on random weights,
     no text encoder; every prompt (the empty negative one too) maps to random rows of the padded length,
     as the pipelines pad every prompt to ``max_sequence_length``."""
@@ -471,7 +472,7 @@ class _BenchFlux2(_RandomWeights):
 
     def _encode_one(self, prompt: str) -> Embeds:
         text, device, dtype = self.spec["text"], self.build_device, self.build_dtype
-        return {"prompt_embeds": _random_rows(prompt, (1, text["tokens"], text["dim"]), device, dtype)}
+        return {"prompt_embeds": random_rows(prompt, (1, text["tokens"], text["dim"]), device, dtype)}
 
 
 class BenchFlux2KleinPolicy(_BenchFlux2, Flux2KleinPolicy):
@@ -498,7 +499,7 @@ def bench_flux2_policy(spec: dict[str, Any], device: str, dtype: str = "bfloat16
     return (BenchFlux2DevPolicy if dev else BenchFlux2KleinPolicy)(spec, device, dtype)
 
 
-class BenchZImagePolicy(_RandomWeights, ZImagePolicy):
+class BenchZImagePolicy(RandomWeights, ZImagePolicy):
     """:class:`ZImagePolicy` on random weights from the config; each prompt maps to random rows of the
     spec's length, the empty negative prompt to 8 (the chat template's tokens around it)."""
 
@@ -520,10 +521,10 @@ class BenchZImagePolicy(_RandomWeights, ZImagePolicy):
     def _encode_one(self, prompt: str) -> Embeds:
         text, device, dtype = self.spec["text"], self.build_device, self.build_dtype
         tokens = text["tokens"] if prompt else min(8, text["tokens"])
-        return {"prompt_embeds": _random_rows(prompt, (1, tokens, text["dim"]), device, dtype)}
+        return {"prompt_embeds": random_rows(prompt, (1, tokens, text["dim"]), device, dtype)}
 
 
-class BenchHunyuanVideo15Policy(_RandomWeights, HunyuanVideo15Policy):
+class BenchHunyuanVideo15Policy(RandomWeights, HunyuanVideo15Policy):
     """:class:`HunyuanVideo15Policy` on random weights from the config; the Qwen2.5-VL states are random
     rows of the padded length (1000), the first 128 valid (a long prompt; the transformer attends over
     all of them, masked or not, so the cost is the same), and the ByT5 glyph rows zeros and masked, as
@@ -570,7 +571,7 @@ class BenchHunyuanVideo15Policy(_RandomWeights, HunyuanVideo15Policy):
         mask = torch.zeros(1, text["tokens"], device=device, dtype=dtype)
         mask[:, : self.valid_tokens] = 1
         return {
-            "prompt_embeds": _random_rows(prompt, (1, text["tokens"], text["dim"]), device, dtype),
+            "prompt_embeds": random_rows(prompt, (1, text["tokens"], text["dim"]), device, dtype),
             "prompt_embeds_mask": mask,
             "prompt_embeds_2": torch.zeros(
                 1, text["glyph_tokens"], text["glyph_dim"], device=device, dtype=dtype
@@ -664,7 +665,7 @@ def clip_sized(spec: dict[str, Any], device: torch.device) -> tuple[nn.Module, A
     }
     vision = dict(spec["vision"], hidden_act="gelu")
     config = CLIPConfig(text_config=text, vision_config=vision, projection_dim=spec["projection_dim"])
-    with _building_on(device, torch.float32):
+    with building_on(device, torch.float32):
         model = CLIPModel(config)
     return model, CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer)
 
@@ -1029,6 +1030,50 @@ def summarise(rows: dict[int, dict[str, float]], warmup: int, steps: int, frames
 # --------------------------------------------------------------------------------------------------
 
 
+def measuring_trainer(
+    root: str,
+    device: str,
+    rollouts: int,
+    logger: Logger,
+    callbacks: list[L.Callback],
+    devices: int = 1,
+    strategy: str = "auto",
+) -> L.Trainer:
+    """The Trainer of a measured run: ``rollouts`` training steps on ``device`` ("cuda..." or "cpu"), one
+    epoch, no validation, checkpoint or progress output, every step logged to ``logger``."""
+    return L.Trainer(
+        accelerator="gpu" if device.startswith("cuda") else "cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=1,
+        limit_train_batches=rollouts,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=logger,
+        callbacks=callbacks,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+
+
+def conditioned_records(root: Path, prompts: Sequence[str], width: int, height: int) -> str:
+    """A ``.jsonl`` of one record per prompt, each with its own smooth random ``width`` x ``height`` PNG
+    (an 8 x 8 grid of colours, resized bilinearly) in ``condition_images``: the data module reads and
+    checks them as it reads a user's."""
+    rng = np.random.default_rng(0)
+    lines = []
+    for i, prompt in enumerate(prompts):
+        small = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+        small.resize((width, height), Image.Resampling.BILINEAR).save(root / f"src{i}.png")
+        lines.append(json.dumps({"prompt": prompt, "condition_images": [f"src{i}.png"]}))
+    path = root / "records.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
 def _free() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -1120,21 +1165,7 @@ def run_training(
     logger = MemoryLogger()
     counts_before = compile_counts()
     with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(
-            accelerator="gpu" if args.device.startswith("cuda") else "cpu",
-            devices=1,
-            max_epochs=1,
-            limit_train_batches=args.warmup + args.steps + extra,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            logger=logger,
-            callbacks=callbacks,
-            log_every_n_steps=1,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=root,
-        )
+        trainer = measuring_trainer(root, args.device, args.warmup + args.steps + extra, logger, callbacks)
         data = PromptDataModule(
             train=prompt_file, prompts_per_step=args.prompts, group_size=args.group, seed=0
         )

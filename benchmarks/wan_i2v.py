@@ -30,11 +30,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import lightning as L
-import numpy as np
 import throughput as tp  # the random-weight helpers, the in-memory logger and the summary of the Wan benchmark
 import torch
-from PIL import Image
 
 from lit_flowgrpo import FlowGRPO, FlowGRPOModule, LoraSettings, PromptDataModule, Sampler, UpdateSettings
 from lit_flowgrpo.callbacks import RLThroughputMonitor
@@ -47,7 +44,7 @@ from lit_flowgrpo.tiny.specs import SPECS
 from lit_flowgrpo.weights import WeightsSettings
 
 
-class BenchWanI2VPolicy(tp._RandomWeights, WanImageToVideoPolicy):
+class BenchWanI2VPolicy(tp.RandomWeights, WanImageToVideoPolicy):
     """:class:`WanImageToVideoPolicy` on random weights from a spec; the CLIP image encoder (where the spec
     has one) random too, in float32 as the policy loads it; UMT5 states are random rows."""
 
@@ -66,8 +63,8 @@ class BenchWanI2VPolicy(tp._RandomWeights, WanImageToVideoPolicy):
         transformer, vae, scheduler = self._build(WanTransformer3DModel, AutoencoderKLWan, torch.float32)
         encoder = processor = None
         if "image_encoder" in self.spec:
-            with self._seeded(2), tp._building_on(self.build_device, torch.float32):
-                encoder = tp._frozen(CLIPVisionModel(CLIPVisionConfig(**self.spec["image_encoder"])))
+            with self._seeded(2), tp.building_on(self.build_device, torch.float32):
+                encoder = tp.frozen(CLIPVisionModel(CLIPVisionConfig(**self.spec["image_encoder"])))
             processor = CLIPImageProcessor(**self.spec["image_processor"])
         self.pipe = WanImageToVideoPipeline(
             tokenizer=None,
@@ -85,7 +82,7 @@ class BenchWanI2VPolicy(tp._RandomWeights, WanImageToVideoPolicy):
 
     def _encode_one(self, prompt: str) -> Embeds:
         text, device, dtype = self.spec["text"], self.build_device, self.build_dtype
-        return {"prompt_embeds": tp._random_rows(prompt, (1, text["tokens"], text["dim"]), device, dtype)}
+        return {"prompt_embeds": tp.random_rows(prompt, (1, text["tokens"], text["dim"]), device, dtype)}
 
 
 def tiny_spec(model: str) -> dict[str, Any]:
@@ -104,18 +101,6 @@ def tiny_spec(model: str) -> dict[str, Any]:
         image_processor=wan_i2v.IMAGE_PROCESSOR,
         text=dict(tokens=8, dim=32),
     )
-
-
-def first_frame_data(folder: Path, width: int, height: int) -> str:
-    """One record with a first frame of the output's size (a smooth random picture), as a ``.jsonl``."""
-    rng = np.random.default_rng(0)
-    coarse = rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)
-    Image.fromarray(coarse).resize((width, height), Image.BICUBIC).save(folder / "frame.png")
-    path = folder / "prompts.jsonl"
-    path.write_text(
-        json.dumps({"prompt": "a red fox runs through snow", "condition_images": ["frame.png"]}) + "\n"
-    )
-    return str(path)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -146,24 +131,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     monitor = RLThroughputMonitor()
     logger = tp.MemoryLogger()
     with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(
-            accelerator="gpu" if args.device.startswith("cuda") else "cpu",
+        trainer = tp.measuring_trainer(
+            root,
+            args.device,
+            args.warmup + args.steps,
+            logger,
+            [monitor],
             devices=args.sp,
             strategy="ddp" if args.sp > 1 else "auto",
-            max_epochs=1,
-            limit_train_batches=args.warmup + args.steps,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            logger=logger,
-            callbacks=[monitor],
-            log_every_n_steps=1,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=root,
         )
+        # One record whose first frame has the output's size.
+        records = tp.conditioned_records(Path(root), ["a red fox runs through snow"], args.width, args.height)
         data = PromptDataModule(
-            train=first_frame_data(Path(root), args.width, args.height),
+            train=records,
             prompts_per_step=1,
             group_size=args.group,
             seed=0,
