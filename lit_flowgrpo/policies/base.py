@@ -56,6 +56,12 @@ MMDIT_ATTENTION_PROJECTIONS = (
 HEIGHT_FLAG = "--model.init_args.sampler.height"
 WIDTH_FLAG = "--model.init_args.sampler.width"
 FRAMES_FLAG = "--model.init_args.sampler.frames"
+#: The settings of a conditioning image's output size, which a message about that size names: the rollout's
+#: (the training set's) and validation's (the validation set's), since it is asked for both.
+OUTPUT_SIZE_FLAGS = (
+    f"{HEIGHT_FLAG}, {WIDTH_FLAG}; validation: --model.init_args.sampler.eval_height, "
+    "--model.init_args.sampler.eval_width"
+)
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 # Where lit_flowgrpo.tiny's builders put their pipelines by default (`python -m lit_flowgrpo.tiny.<family>`

@@ -35,8 +35,7 @@ from torch import Tensor
 from lit_flowgrpo.attention import AttentionShape
 from lit_flowgrpo.conditioning import Condition
 from lit_flowgrpo.policies.base import (
-    HEIGHT_FLAG,
-    WIDTH_FLAG,
+    OUTPUT_SIZE_FLAGS,
     DType,
     Embeds,
     PromptCache,
@@ -88,7 +87,7 @@ class FluxKontextPolicy(FluxPolicy):
         """A source smaller than the output in a side (the resize to the output size would upsample it), or
         of another aspect ratio (it would stretch it), cannot be taken."""
         out = []
-        fix = f"or sample at a size that fits them ({HEIGHT_FLAG}, {WIDTH_FLAG})"
+        fix = f"or sample at a size that fits them ({OUTPUT_SIZE_FLAGS})"
         if width < out_width or height < out_height:
             out.append(
                 f"it is {width}x{height} pixels, smaller than the {out_width}x{out_height} outputs: "

@@ -48,8 +48,7 @@ from transformers.processing_utils import ProcessorMixin
 
 from lit_flowgrpo.attention import AttentionShape
 from lit_flowgrpo.policies.base import (
-    HEIGHT_FLAG,
-    WIDTH_FLAG,
+    OUTPUT_SIZE_FLAGS,
     DType,
     Embeds,
     aspect_ratio_differs,
@@ -212,7 +211,7 @@ class QwenImageEditPlusPolicy(QwenImagePolicy):
         must agree), or that the resize would stretch: it must have the outputs' aspect ratio."""
         fix = (
             f"crop or pad the sources to the outputs' aspect ratio ({out_width}:{out_height}), or sample at a size "
-            f"of theirs ({HEIGHT_FLAG}, {WIDTH_FLAG})"
+            f"of theirs ({OUTPUT_SIZE_FLAGS})"
         )
         if aspect_ratio_differs(width, height, out_width, out_height):
             return [

@@ -255,12 +255,23 @@ def edit_records(root: Path, n: int = 4, size: int = SIZE, name: str = "edits.js
     return str(path)
 
 
-def kontext_module(path: str, objective=None, lora: bool = True, reward=None, kl_coef: float = 0.01):
+def kontext_module(
+    path: str, objective=None, lora: bool = True, reward=None, kl_coef: float = 0.01, **sampler
+):
     return FlowGRPOModule(
         policy=FluxKontextPolicy(path, dtype="float32", max_sequence_length=16),
         reward=reward or Preservation(),
         objective=objective or FlowGRPO(clip_range=1e-2),
-        sampler=Sampler(num_steps=3, eval_num_steps=2, guidance_scale=1.0, height=SIZE, width=SIZE),
+        sampler=Sampler(
+            **{
+                "num_steps": 3,
+                "eval_num_steps": 2,
+                "guidance_scale": 1.0,
+                "height": SIZE,
+                "width": SIZE,
+                **sampler,
+            }
+        ),
         update=UpdateSettings(micro_batch_size=4, optimizer_steps_per_rollout=2),
         weights=WeightsSettings(lora=LoraSettings(rank=4, alpha=8) if lora else None),
         # A full fine-tune's KL reference is a frozen copy of the initial transformer (LoRA's: the adapter off).
@@ -347,6 +358,28 @@ def test_a_source_smaller_than_the_output_is_refused_before_load(
     trainer = make_trainer(tmp_path, max_steps=1)
     with pytest.raises((SettingsError, ValueError), match=r"src1\.png.*16x16 pixels, smaller than the 32x32"):
         trainer.fit(module, datamodule=edit_data(records, val=None))
+    assert module.policy.pipe is None
+
+
+def test_a_source_too_small_for_validation_names_the_validation_size(
+    tiny_kontext_path: str, tmp_path: Path
+) -> None:
+    """Validation samples at eval_height x eval_width: a source that fits the rollout's 32 px but not
+    validation's 64 px is refused for the validation set, and the fix names the settings of that size."""
+    records = edit_records(tmp_path / "data", n=2)  # sources of 64 and 32 px
+    module = kontext_module(tiny_kontext_path, eval_height=2 * SIZE, eval_width=2 * SIZE)
+    trainer = make_trainer(tmp_path, max_steps=1)
+    with pytest.raises((SettingsError, ValueError)) as refused:
+        trainer.fit(module, datamodule=edit_data(records))
+    message = str(refused.value)
+    assert re.search(
+        r"--data.init_args.val: record 2: source image \S*src1\.png: .*smaller than the 64x64", message
+    )
+    assert "--data.init_args.train:" not in message
+    assert (
+        "--model.init_args.sampler.eval_height" in message
+        and "--model.init_args.sampler.eval_width" in message
+    )
     assert module.policy.pipe is None
 
 

@@ -345,7 +345,13 @@ def edit_records(
 
 
 def edit_module(
-    path: str, objective=None, lora: bool = True, reward=None, cfg: float = 2.0, kl_coef: float = 0.01
+    path: str,
+    objective=None,
+    lora: bool = True,
+    reward=None,
+    cfg: float = 2.0,
+    kl_coef: float = 0.01,
+    **sampler,
 ):
     return FlowGRPOModule(
         policy=QwenImageEditPlusPolicy(
@@ -353,7 +359,16 @@ def edit_module(
         ),
         reward=reward or Preservation(),
         objective=objective or FlowGRPO(clip_range=1e-2),
-        sampler=Sampler(num_steps=3, eval_num_steps=2, guidance_scale=cfg, height=SIZE, width=SIZE),
+        sampler=Sampler(
+            **{
+                "num_steps": 3,
+                "eval_num_steps": 2,
+                "guidance_scale": cfg,
+                "height": SIZE,
+                "width": SIZE,
+                **sampler,
+            }
+        ),
         update=UpdateSettings(micro_batch_size=4, optimizer_steps_per_rollout=2),
         weights=WeightsSettings(lora=LoraSettings(rank=4, alpha=8) if lora else None),
         kl=KLSettings(coef=kl_coef),
@@ -452,6 +467,28 @@ def test_sources_of_another_aspect_ratio_are_refused_before_load(tiny_path: str,
     refused(
         tiny_path, tmp_path, records, r"src1_0\.png.*aspect ratio \(32x16\) is not the outputs' \(32x32\)"
     )
+
+
+def test_sources_of_another_aspect_ratio_than_validation_name_the_validation_size(
+    tiny_path: str, tmp_path: Path
+) -> None:
+    """Validation samples at eval_height x eval_width: square sources fit the rollout's 32 x 32 but not
+    validation's 64 x 32, and the fix names the settings of that size."""
+    records = edit_records(tmp_path / "data", n=2)
+    module = edit_module(tiny_path, eval_height=SIZE, eval_width=2 * SIZE)
+    trainer = make_trainer(tmp_path, max_steps=1)
+    with pytest.raises((SettingsError, ValueError)) as refused:
+        trainer.fit(module, datamodule=edit_data(records))
+    message = str(refused.value)
+    assert re.search(
+        r"--data.init_args.val: record 1: source image \S*src0_0\.png: its aspect ratio", message
+    )
+    assert "--data.init_args.train:" not in message
+    assert (
+        "--model.init_args.sampler.eval_height" in message
+        and "--model.init_args.sampler.eval_width" in message
+    )
+    assert module.policy.pipe is None
 
 
 # --------------------------------------------------------------------------------------------------
