@@ -115,7 +115,6 @@ class WanImageToVideoPolicy(WanPolicy):
         self.max_stretch = max_stretch
         self.image_encoder: nn.Module | None = None
         self._conditions = PromptCache(condition_cache_size)
-        # TI2V: the first-frame latents of the rows last sampled, which decode() puts in front (see decode).
 
     # -- settings -----------------------------------------------------------------------------------
 
