@@ -14,11 +14,14 @@
 #   WORK/bases      configs/toy_pretrain.yaml with the text cross-attended at 32x32 too
 #                   (--model.init_args.architecture.text_at_full_resolution=true), PRE_STEPS steps or
 #                   PRE_SECONDS, scored by family with lit_flowgrpo.toy.evaluate (the shipped base too);
-#   WORK/xattn32_rl then the main job from that base, RL_ROLLOUTS rollouts, 3 seeds.
+#   WORK/xattn32_rl then the main job from that base, RL_ROLLOUTS rollouts, 3 seeds;
+#   WORK/mix_rl     with MIX=1 only: the main job from the shipped base with the training list's position
+#                   prompts listed 3 times and its colour-binding prompts twice (22% each of the RL
+#                   prompts instead of 10% and 15%; the held-out list unchanged), RL_ROLLOUTS rollouts.
 # Every fit gets --trainer.max_time so that it stops before the deadline and is evaluated once more
 # (HeldOutReport's evaluate_after_training). The DiffusionNFT runs use micro-batches of 64 instead of
 # the config's 32: each sample's visited noise levels and noise are drawn from its own seeds, so the
-# split changes only the rounding, and the update takes half the forwards. Then
+# split changes only the rounding, and the update takes half the forwards. At the end the script runs
 # `python benchmarks/shapes_ceiling.py summarize WORK --json WORK/summary.json`.
 # A CPU smoke of the whole script: ACCEL=cpu CEIL_ROLLOUTS=1 CEIL_EVERY=1 HACK_ROLLOUTS=1 HACK_EVERY=1
 # RL_ROLLOUTS=1 RL_EVERY=1 PRE_STEPS=2 VAL_PROMPTS=4 EVAL_SPLIT_SEEDS=1 SEEDS=0 bash ... WORK 900
@@ -64,6 +67,22 @@ nice -n 10 $py benchmarks/shapes_runs.py run --plan hacking gardo_sweep \
   -- --trainer.max_time="$(until_s $(($(left) - 25)))" > "$work/hacking.log" 2>&1 &
 hacking=$!
 
+if [ "${MIX:-0}" = 1 ]; then
+  $py - "$work/train_mix.jsonl" <<'PY'
+import json, sys
+from lit_flowgrpo.toy import world
+copies = {"position": 3, "color_attr": 2}  # of each training record of the family
+with open(sys.argv[1], "w", encoding="utf-8") as f:
+    for record in world.load_prompts("train"):
+        f.writelines(json.dumps(record) + "\n" for _ in range(copies.get(record["tag"], 1)))
+PY
+  $py benchmarks/shapes_runs.py run --plan objectives --only diffusion_nft --seeds "${seeds[@]}" \
+    --rollouts "$rl_rollouts" --val_every "$rl_every" "${common[@]}" --parallel 3 --out "$work/mix_rl" \
+    -- "$nft64" --data.init_args.train="$work/train_mix.jsonl" \
+    --trainer.max_time="$(until_s $(($(left) - 25)))" > "$work/mix_rl.log" 2>&1 &
+  mix=$!
+fi
+
 evaluate() {  # CHECKPOINT NAME: the bases table's scoring (guidance 1), by family
   local ckpt=()
   [ "$1" = shipped ] || ckpt=(--checkpoint "$1")
@@ -83,6 +102,6 @@ if [ "$(left)" -gt 75 ]; then
     -- "$nft64" --model.init_args.policy.init_args.pretrained="$work/bases/xattn32/base.safetensors" \
     --trainer.max_time="$(until_s $(($(left) - 25)))" > "$work/xattn32_rl.log" 2>&1
 fi
-wait "$ceiling" "$hacking"
+wait "$ceiling" "$hacking" ${mix:+"$mix"}
 echo "all runs ended at $(($(date +%s) - start)) s"
 $py benchmarks/shapes_ceiling.py summarize "$work" --json "$work/summary.json"

@@ -5,14 +5,16 @@ binding (``color_attr``) and position where they were (docs/shapes_world.md). Th
 policy gradient carries a first-order signal for a family at all: it takes the Flow-GRPO gradient of
 ``benchmarks/gradient_direction.py`` (``policy_gradient``: one rollout, group-normalised advantages,
 ratio 1) from the family's own training prompts only, moves the weights by ``α`` times Adam's first
-step along it (``step_direction``), and scores fresh ODE samples at every ``α`` with the same prompts and
-noise (common random numbers): the family's training prompts with new seeds, and its held-out prompts.
+step along it (``step_direction``; ``--mode grad``: the gradient itself, rescaled to that step's
+length), and scores fresh ODE samples at every ``α`` with the same prompts and noise (common random
+numbers): the family's training prompts with new seeds, and its held-out prompts.
 Each ``α`` prints the paired difference from ``α = 0`` and its standard error::
 
     python benchmarks/shapes_family_gradient.py --family position --out position.json
 
-A family the gradient can teach rises at small ``α > 0``; one that the model cannot express moves by no
-more than its standard error there. The sampler is the main job's (10 steps, CFG-free, noise 0.7), the
+A family the gradient can teach should rise at small ``α > 0``, one that the model cannot express stay
+within its standard error; a control family that RL does raise (counting) says whether the step is
+small enough for that reading (docs/shapes_world.md: at 2 to 4 sign steps it was not). The sampler is the main job's (10 steps, CFG-free, noise 0.7), the
 trained steps Flow-GRPO-Fast's window (5 of the first 8), the reward strict + 0.5·partial.
 """
 
@@ -52,6 +54,7 @@ def main() -> None:
     p.add_argument("--guidance", type=float, default=1.0)
     p.add_argument("--scale", type=float, default=3e-5, help="the step per weight (the main job's lr)")
     p.add_argument("--alphas", type=float, nargs="+", default=[-2.0, 0.0, 2.0, 4.0])
+    p.add_argument("--mode", choices=["sign", "grad"], default="sign", help="as gradient_direction.py's")
     p.add_argument("--device", default="cpu")
     p.add_argument("--workers", type=int, default=0, help="processes that run the verifier (0: none)")
     p.add_argument("--out", type=Path)
@@ -69,7 +72,7 @@ def main() -> None:
     world.records = train[: opts.prompts]
     grads, stats = gd.policy_gradient(world, settings)
     print(json.dumps({"family": opts.family, "gradient_rollout": stats}), flush=True)
-    direction = gd.step_direction(grads, "sign", opts.scale)
+    direction = gd.step_direction(grads, opts.mode, opts.scale)
     params = list(world.policy.transformer.parameters())
     base = [q.detach().clone() for q in params]
     sets = {
