@@ -143,7 +143,7 @@ class PackedLatentPolicy(FlowPolicy):
         problem = self._family_problem(read_model_index(self.pretrained))
         if problem:
             raise ValueError(problem)
-        pipe = load_pipeline(self, resolve_dtype(self.dtype_name), PRETRAINED_FLAG)
+        pipe = self._read_pipeline()
         pipe.set_progress_bar_config(disable=True)
         # Registered as submodules so that ``.to(device)`` moves them; the pipeline holds the same
         # objects and keeps serving its encode / pack helpers. Everything starts frozen: the
@@ -155,6 +155,11 @@ class PackedLatentPolicy(FlowPolicy):
             setattr(self, "_transformer" if name == "transformer" else name, module)
         self.pipe = pipe
         self._check_loaded()
+
+    def _read_pipeline(self) -> Any:
+        """The pipeline's ``from_pretrained`` in the requested dtype (a family that hands it a component
+        read its own way overrides this)."""
+        return load_pipeline(self, resolve_dtype(self.dtype_name), PRETRAINED_FLAG)
 
     def _check_loaded(self) -> None:
         """Family-specific checks of the loaded configs (raise ``ValueError``)."""

@@ -56,7 +56,7 @@ from lit_flowgrpo.policies.base import (
     pretrained_dtype_kwargs,
     resolve_dtype,
 )
-from lit_flowgrpo.policies.packed import PRETRAINED_FLAG, padded_prompts, read_model_index
+from lit_flowgrpo.policies.packed import PRETRAINED_FLAG, padded_prompts
 from lit_flowgrpo.policies.qwenimage import QwenImagePolicy
 
 if TYPE_CHECKING:
@@ -169,18 +169,12 @@ class QwenImageEditPlusPolicy(QwenImagePolicy):
 
     # -- loading ------------------------------------------------------------------------------------
 
-    def load(self) -> None:
-        if self.pipe is not None:
-            return
-        self._raise_problems()
-        problem = self._family_problem(read_model_index(self.pretrained))
-        if problem:
-            raise ValueError(problem)
+    def _read_pipeline(self) -> Any:
         (key,) = pretrained_dtype_kwargs(torch.float32)  # the dtype keyword's name in this diffusers
         try:
             # The processor is read here (the image processor and the tokenizer) and handed over, so that
             # loading needs no torchvision (ImageOnlyQwen2VLProcessor); the rest is the pipeline's own load.
-            pipe = self.pipeline_class.from_pretrained(
+            return self.pipeline_class.from_pretrained(
                 self.pretrained,
                 processor=load_processor(self.pretrained),
                 **{key: resolve_dtype(self.dtype_name)},
@@ -189,14 +183,6 @@ class QwenImageEditPlusPolicy(QwenImagePolicy):
             raise ValueError(
                 f"{PRETRAINED_FLAG} ({self.pretrained}): loading the {self.pipeline_name} failed: {err}"
             ) from err
-        pipe.set_progress_bar_config(disable=True)
-        for name in (*self.component_names, "transformer"):
-            module = getattr(pipe, name)
-            module.requires_grad_(False)
-            module.eval()
-            setattr(self, "_transformer" if name == "transformer" else name, module)
-        self.pipe = pipe
-        self._check_loaded()
 
     # -- the sources --------------------------------------------------------------------------------
 
