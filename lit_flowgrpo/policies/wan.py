@@ -347,29 +347,47 @@ class WanPolicy(FlowPolicy):
         embeds: Embeds,
         guidance_scale: float,
     ) -> Tensor:
-        """One expert's guided velocity for these rows (``embeds``: their conditioning)."""
+        """One expert's guided velocity for these rows (``embeds``: their conditioning): with CFG one batched
+        forward over [cond; uncond], both halves given the same inputs (:meth:`_network_inputs`) but the
+        prompt's states."""
         dtype = self.input_dtype(network)
         batch = latents.shape[0]
         cfg = guidance_scale > 1.0
-        x, t, cond = latents, timestep, embeds["prompt_embeds"]
-        if cfg:  # one batched forward: [cond; uncond]
+        x, t, image = self._network_inputs(network, latents, timestep, embeds)
+        cond = embeds["prompt_embeds"]
+        if cfg:
             neg = self.encode_prompts([self.negative_prompt])["prompt_embeds"].to(cond.device)
             x, t = torch.cat([x, x]), torch.cat([t, t])
             cond = torch.cat([cond, neg.expand(batch, -1, -1)])
-        if self.pipe.config.get("expand_timesteps", False):
-            # Wan 2.2 TI2V: one timestep per latent token (all equal for text-to-video).
-            _, ph, pw = network.config.patch_size
-            t = t[:, None].expand(-1, x.shape[2] * (x.shape[3] // ph) * (x.shape[4] // pw))
+            image = None if image is None else torch.cat([image, image])
         out = network(
             hidden_states=x.to(dtype),
             timestep=t,
             encoder_hidden_states=cond.to(dtype),
+            encoder_hidden_states_image=None if image is None else image.to(dtype),
             return_dict=False,
         )[0].float()
+        out = self._generated(out, embeds)
         if not cfg:
             return out
         cond_out, uncond = out.chunk(2)
         return uncond + guidance_scale * (cond_out - uncond)
+
+    def _network_inputs(
+        self, network: nn.Module, latents: Tensor, timestep: Tensor, embeds: Embeds
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The transformer's hidden states, timestep(s) and image-encoder states for these rows, before CFG
+        doubles them: here the latents, their t, and no image states."""
+        if not self.pipe.config.get("expand_timesteps", False):
+            return latents, timestep, None
+        # Wan 2.2 TI2V: one timestep per latent token (all equal for text-to-video).
+        _, ph, pw = network.config.patch_size
+        tokens = latents.shape[2] * (latents.shape[3] // ph) * (latents.shape[4] // pw)
+        return latents, timestep[:, None].expand(-1, tokens), None
+
+    def _generated(self, out: Tensor, embeds: Embeds) -> Tensor:
+        """The transformer's output (fp32) for the latent frames the trajectory holds: all of them here."""
+        return out
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:

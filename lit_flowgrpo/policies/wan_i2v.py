@@ -257,56 +257,31 @@ class WanImageToVideoPolicy(WanPolicy):
 
     # -- the networks -------------------------------------------------------------------------------
 
-    def _guided(
-        self,
-        network: nn.Module,
-        latents: Tensor,
-        timestep: Tensor,
-        embeds: Embeds,
-        guidance_scale: float,
-    ) -> Tensor:
-        """As the pipeline's loop: the conditioning joined to the latent, the CLIP states beside the prompt's,
-        both for the conditional and the unconditional half (here one batched forward)."""
-        dtype = self.input_dtype(network)
-        batch = latents.shape[0]
-        cfg = guidance_scale > 1.0
-        _, ph, pw = network.config.patch_size
+    def _network_inputs(
+        self, network: nn.Module, latents: Tensor, timestep: Tensor, embeds: Embeds
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """As the pipeline's loop: the conditioning joined to the latent, and the CLIP states (Wan 2.1) beside
+        the prompt's; CFG gives the unconditional half the same."""
         if "first_frame" in embeds:
             # TI2V-5B: the first frame in front of the generated ones; its tokens at timestep 0.
             x = torch.cat([embeds["first_frame"].to(latents.device), latents], dim=2)
+            _, ph, pw = network.config.patch_size
             per_frame = (x.shape[3] // ph) * (x.shape[4] // pw)
             t = torch.cat(
                 [
-                    torch.zeros(batch, per_frame, device=x.device),
+                    torch.zeros(latents.shape[0], per_frame, device=x.device),
                     timestep[:, None].expand(-1, latents.shape[2] * per_frame),
                 ],
                 dim=1,
             )  # (B, tokens) fp32, as first_frame_mask · t
-        else:
-            x = torch.cat(
-                [latents, embeds["condition"].to(latents.device)], dim=1
-            )  # (B, 36, F', h, w) for 14B
-            t = timestep
-        image = embeds.get("image_embeds")
-        cond = embeds["prompt_embeds"]
-        if cfg:  # one batched forward: [cond; uncond], the same first frame in both
-            neg = self.encode_prompts([self.negative_prompt])["prompt_embeds"].to(cond.device)
-            x, t = torch.cat([x, x]), torch.cat([t, t])
-            cond = torch.cat([cond, neg.expand(batch, -1, -1)])
-            image = None if image is None else torch.cat([image, image])
-        out = network(
-            hidden_states=x.to(dtype),
-            timestep=t,
-            encoder_hidden_states=cond.to(dtype),
-            encoder_hidden_states_image=None if image is None else image.to(dtype),
-            return_dict=False,
-        )[0].float()
+            return x, t, None
+        x = torch.cat([latents, embeds["condition"].to(latents.device)], dim=1)  # (B, 36, F', h, w) for 14B
+        return x, timestep, embeds.get("image_embeds")
+
+    def _generated(self, out: Tensor, embeds: Embeds) -> Tensor:
         if "first_frame" in embeds:
-            out = out[:, :, 1:]  # the given frame's output is never used (the pipeline replaces that frame)
-        if not cfg:
-            return out
-        cond_out, uncond = out.chunk(2)
-        return uncond + guidance_scale * (cond_out - uncond)
+            return out[:, :, 1:]  # the given frame's output is never used (the pipeline replaces that frame)
+        return out
 
     @torch.no_grad()
     def decode_conditioned(self, latents: Tensor, embeds: Embeds) -> Tensor:
