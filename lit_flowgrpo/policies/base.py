@@ -588,6 +588,17 @@ def aspect_ratio_differs(width: int, height: int, out_width: int, out_height: in
     return abs(math.log((width / height) / (out_width / out_height))) > ASPECT_TOLERANCE
 
 
+def check_one_image_each(policy: FlowPolicy, conditions: Sequence[Condition]) -> None:
+    """Raise a ``ValueError`` naming the first record whose conditioning is not one image, for a family of
+    ``condition_images = (1, 1)`` called directly (the data module's records were checked before load)."""
+    for condition in conditions:
+        if len(condition.images) != 1:
+            raise ValueError(
+                f"{type(policy).__name__} takes one {policy.condition_name} a record, got {len(condition.images)} "
+                f"({condition.key}): give each record one path in condition_images"
+            )
+
+
 def vae_pixels(vae: nn.Module, images: Tensor) -> Tensor:
     """Images in [0, 1] as a diffusers VAE takes them: in [-1, 1] (``VaeImageProcessor.normalize``), on the
     VAE's device and in its dtype."""

@@ -41,6 +41,7 @@ from lit_flowgrpo.policies.base import (
     PromptCache,
     aspect_ratio_differs,
     cat_embeds,
+    check_one_image_each,
 )
 from lit_flowgrpo.policies.flux import FluxPolicy
 
@@ -117,12 +118,7 @@ class FluxKontextPolicy(FluxPolicy):
         if frames != 1:
             raise ValueError(self.frame_problems(frames)[0])
         self._packed_grid(height, width)  # checks the output size before any source is encoded
-        for condition in conditions:
-            if len(condition.images) != 1:
-                raise ValueError(
-                    f"{type(self).__name__} takes one {self.condition_name} a record, got {len(condition.images)} "
-                    f"({condition.key}): give each record one path in condition_images"
-                )
+        check_one_image_each(self, conditions)
         text = cat_embeds(self._cache.rows(prompts, self._encode_one))
         by_key = {f"{c.key}@{height}x{width}": c for c in conditions}
         sources = self._sources.rows(

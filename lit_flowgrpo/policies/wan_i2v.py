@@ -48,6 +48,7 @@ from lit_flowgrpo.policies.base import (
     Embeds,
     PromptCache,
     cat_embeds,
+    check_one_image_each,
     resolve_dtype,
     video_latent_shape,
 )
@@ -210,6 +211,11 @@ class WanImageToVideoPolicy(WanPolicy):
         width: int,
         frames: int = 1,
     ) -> Embeds:
+        # Before any encoding: encode's default of one frame would give a conditioning of the wrong length.
+        problems = self.frame_problems(frames)
+        if problems:
+            raise ValueError("; ".join(problems))
+        check_one_image_each(self, conditions)
         text = self.encode_prompts(prompts)
         size = f"|{height}x{width}x{frames}"
         by_key = {c.key + size: c for c in conditions}

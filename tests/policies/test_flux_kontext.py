@@ -186,9 +186,11 @@ def test_prompts_and_sources_are_encoded_once_per_size(
     assert larger["image_latents"].shape == (1, 4 * 64, 16) and len(policy._sources) == 3
 
 
-def test_the_source_is_required(policy: FluxKontextPolicy) -> None:
+def test_the_source_is_required(policy: FluxKontextPolicy, sources: dict[str, str]) -> None:
     with pytest.raises(ValueError, match="needs source images"):
         policy.encode(["p"], None, SIZE, SIZE)
+    with pytest.raises(ValueError, match="takes one source image a record, got 2"):
+        policy.encode(["p"], [condition(sources["a"], sources["b"])], SIZE, SIZE)
     x = torch.zeros(1, *policy.latent_shape(SIZE, SIZE))
     with pytest.raises(ValueError, match="image_latents"):
         policy.velocity(x, torch.ones(1), policy.encode_prompts(["p"]), 1.0)

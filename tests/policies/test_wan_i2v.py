@@ -325,6 +325,20 @@ def test_bad_input_is_refused_before_any_weight_is_read(
     )
 
 
+def test_encoding_refuses_a_frame_count_or_image_count_it_cannot_take(tiny_i2v: dict, tmp_path: Path) -> None:
+    """Called directly (not through the data module's checks): the default of one frame, which leaves nothing
+    to generate, and a record of two images are refused, not encoded into conditioning of the wrong shape or
+    with an image dropped."""
+    policy = _load(tiny_i2v["2.1"])
+    conditions, _ = _conditions(tmp_path)
+    with pytest.raises(ValueError, match=r"--model.init_args.sampler.frames \(1\) must be at least 5"):
+        policy.encode(PROMPTS, conditions, 32, 32)  # frames left at encode's default, 1
+    two = [Condition(conditions[0].images * 2, "two"), conditions[1]]
+    with pytest.raises(ValueError, match=r"takes one first frame a record, got 2 \(two\)"):
+        policy.encode(PROMPTS, two, 32, 32, FRAMES)
+    assert len(policy._conditions) == 0  # refused before anything was encoded
+
+
 # -- training runs --------------------------------------------------------------------------------------
 
 
