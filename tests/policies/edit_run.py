@@ -17,11 +17,13 @@ import numpy as np
 import torch
 import yaml
 from PIL import Image
-from test_module import lora_state, make_trainer
+from test_module import logged, lora_state, make_trainer
 
 from lit_flowgrpo import FlowGRPOModule, PromptDataModule, UpdateSettings
 from lit_flowgrpo.conditioning import Condition, read_rgb
 from lit_flowgrpo.objective import DiffusionNFT, FlowDPPO, FlowGRPO, GRPOGuard, GRPOGuardRatioNorm
+from lit_flowgrpo.policies.base import FlowPolicy
+from lit_flowgrpo.rollout import per_sample_generators, sample_trajectory
 
 CONFIGS = Path(__file__).resolve().parents[2] / "lit_flowgrpo" / "configs"
 
@@ -52,6 +54,33 @@ def write_sources(root: Path, sizes: dict[str, tuple[int, int]]) -> dict[str, st
 def condition(*paths: str) -> Condition:
     """A record's conditioning as the data module builds it: the files decoded, keyed by their paths."""
     return Condition([read_rgb(p) for p in paths], "|".join(paths))
+
+
+def sample_at_noise_level_zero(
+    policy: FlowPolicy,
+    prompts: list[str],
+    x1: torch.Tensor,
+    conditions: list[Condition],
+    size: int,
+    steps: int,
+    guidance_scale: float,
+) -> torch.Tensor:
+    """The package's sampling loop at noise level 0 (every step through the SDE step, η = 0): the final
+    latents of ``prompts`` with their ``conditions`` from the noise ``x1``, at ``size`` x ``size``."""
+    embeds = policy.encode(prompts, conditions, size, size)
+    traj = sample_trajectory(
+        policy,
+        embeds,
+        x1,
+        policy.sigmas(steps, size, size),
+        guidance_scale=guidance_scale,
+        noise_level=0.0,
+        sde_type="sde",
+        sde_steps=range(steps),
+        train_steps=[],
+        generators=per_sample_generators(torch.arange(len(prompts)), "cpu"),
+    )
+    return traj.final
 
 
 def edit_data(records: str, **overrides) -> PromptDataModule:
@@ -85,6 +114,32 @@ def fit_moving_the_adapter(module: FlowGRPOModule, trainer: L.Trainer, data: Pro
     trainer.fit(module, datamodule=data)
     after = trainable(module)
     assert any(not torch.equal(after[k], before[k]) for k in before), "the adapter did not move"
+
+
+def step_with_the_conditioning(
+    module: FlowGRPOModule, records: str, tmp_path: Path, wanted: set[str], lora: bool, max_steps: int
+) -> None:
+    """One rollout (its 2 optimizer steps) of ``module`` on ``records``, checking that every forward (the
+    rollout's and the update's visits) was given the ``wanted`` conditioning keys, that the loss is finite and
+    that what was trained is fp32 (without adapter tensors for a full fine-tune, ``lora`` False)."""
+    seen: list[set[str]] = []
+    velocity = module.policy.velocity
+
+    def recording(latents, sigma, embeds, guidance_scale):  # what every forward (rollout, visits) is given
+        seen.append(set(embeds))
+        return velocity(latents, sigma, embeds, guidance_scale)
+
+    module.policy.velocity = recording
+    trainer = make_trainer(tmp_path, max_steps=max_steps)
+    trainer.fit(module, datamodule=edit_data(records, val=None))
+    assert trainer.global_step == 2  # one rollout: its two optimizer steps
+    row = next(r for r in logged(trainer) if "actor/loss" in r)
+    assert math.isfinite(row["actor/loss"])
+    assert seen and all(wanted <= keys for keys in seen)
+    moved = [p for p in module.policy.transformer.parameters() if p.requires_grad]
+    assert moved and all(p.dtype == torch.float32 for p in moved)
+    if not lora:
+        assert not any("lora_" in n for n, _ in module.policy.transformer.named_parameters())
 
 
 def assert_resume_is_exact(make_module: Callable[[], FlowGRPOModule], records: str, tmp_path: Path) -> None:

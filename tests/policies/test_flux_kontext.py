@@ -22,6 +22,8 @@ from edit_run import (
     edit_data,
     fit_moving_the_adapter,
     recipe_on_two_processes,
+    sample_at_noise_level_zero,
+    step_with_the_conditioning,
     write_source,
     write_sources,
 )
@@ -44,7 +46,6 @@ from lit_flowgrpo.kl import ReferenceSettings
 from lit_flowgrpo.objective import FlowGRPO
 from lit_flowgrpo.policies.base import HEIGHT_FLAG, pretrained_dtype_kwargs
 from lit_flowgrpo.policies.flux_kontext import FluxKontextPolicy
-from lit_flowgrpo.rollout import per_sample_generators, sample_trajectory
 from lit_flowgrpo.tiny.flux_kontext import build_tiny_flux_kontext
 
 FLAG = "--model.init_args.policy.init_args.pretrained"
@@ -87,21 +88,8 @@ def pipe(tiny_kontext_path: str) -> FluxKontextPipeline:
 
 
 def sample(policy: FluxKontextPolicy, x1: torch.Tensor, conditions: list[Condition]) -> torch.Tensor:
-    """The package's sampling loop at noise level 0 (every step through the SDE step, η = 0)."""
-    embeds = policy.encode(PROMPTS, conditions, SIZE, SIZE)
-    traj = sample_trajectory(
-        policy,
-        embeds,
-        x1,
-        policy.sigmas(STEPS, SIZE, SIZE),
-        guidance_scale=4.5,  # the loop's CFG scale, which Kontext ignores (its guidance is the policy's)
-        noise_level=0.0,
-        sde_type="sde",
-        sde_steps=range(STEPS),
-        train_steps=[],
-        generators=per_sample_generators(torch.arange(len(PROMPTS)), "cpu"),
-    )
-    return traj.final
+    # The loop's CFG scale (4.5), which Kontext ignores: its guidance is the policy's.
+    return sample_at_noise_level_zero(policy, PROMPTS, x1, conditions, SIZE, STEPS, guidance_scale=4.5)
 
 
 def test_noise_level_zero_sampling_reproduces_the_pipeline(
@@ -315,24 +303,7 @@ def test_every_objective_takes_a_step_with_the_source(
 ) -> None:
     records = edit_records(tmp_path / "data", n=2)
     module = kontext_module(tiny_kontext_path, objective=OBJECTIVES[name](), lora=lora)
-    seen: list[set[str]] = []
-    velocity = module.policy.velocity
-
-    def recording(latents, sigma, embeds, guidance_scale):  # what every forward (rollout, visits) is given
-        seen.append(set(embeds))
-        return velocity(latents, sigma, embeds, guidance_scale)
-
-    module.policy.velocity = recording
-    trainer = make_trainer(tmp_path, max_steps=2)  # one rollout: its 2 optimizer steps
-    trainer.fit(module, datamodule=edit_data(records, val=None))
-    assert trainer.global_step == 2
-    row = next(r for r in logged(trainer) if "actor/loss" in r)
-    assert math.isfinite(row["actor/loss"])
-    assert seen and all("image_latents" in keys for keys in seen)
-    moved = [p for p in module.policy.transformer.parameters() if p.requires_grad]
-    assert moved and (all(p.dtype == torch.float32 for p in moved))
-    if not lora:
-        assert not any("lora_" in n for n, _ in module.policy.transformer.named_parameters())
+    step_with_the_conditioning(module, records, tmp_path, {"image_latents"}, lora, max_steps=2)
 
 
 # --------------------------------------------------------------------------------------------------

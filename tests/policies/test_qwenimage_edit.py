@@ -23,6 +23,8 @@ from edit_run import (
     edit_data,
     fit_moving_the_adapter,
     recipe_on_two_processes,
+    sample_at_noise_level_zero,
+    step_with_the_conditioning,
     write_source,
     write_sources,
 )
@@ -44,7 +46,6 @@ from lit_flowgrpo.errors import SettingsError
 from lit_flowgrpo.objective import FlowGRPO
 from lit_flowgrpo.policies.base import HEIGHT_FLAG, pretrained_dtype_kwargs
 from lit_flowgrpo.policies.qwenimage_edit import QwenImageEditPlusPolicy, load_processor
-from lit_flowgrpo.rollout import per_sample_generators, sample_trajectory
 from lit_flowgrpo.tiny.qwenimage_edit import build_tiny_qwenimage_edit
 
 FLAG = "--model.init_args.policy.init_args.pretrained"
@@ -116,24 +117,8 @@ def pipeline_of(path: str) -> QwenImageEditPlusPipeline:
 # --------------------------------------------------------------------------------------------------
 
 
-def sample(
-    policy, x1: torch.Tensor, conditions: list[Condition], cfg: float, prompts=PROMPTS
-) -> torch.Tensor:
-    """The package's sampling loop at noise level 0 (every step through the SDE step, η = 0)."""
-    embeds = policy.encode(prompts, conditions, SIZE, SIZE)
-    traj = sample_trajectory(
-        policy,
-        embeds,
-        x1,
-        policy.sigmas(STEPS, SIZE, SIZE),
-        guidance_scale=cfg,
-        noise_level=0.0,
-        sde_type="sde",
-        sde_steps=range(STEPS),
-        train_steps=[],
-        generators=per_sample_generators(torch.arange(len(prompts)), "cpu"),
-    )
-    return traj.final
+def sample(policy, x1: torch.Tensor, conditions: list[Condition], cfg: float) -> torch.Tensor:
+    return sample_at_noise_level_zero(policy, PROMPTS, x1, conditions, SIZE, STEPS, guidance_scale=cfg)
 
 
 @pytest.mark.parametrize(
@@ -416,25 +401,8 @@ def test_every_objective_takes_a_step_with_the_sources(
     module = edit_module(
         tiny_path, objective=OBJECTIVES[name](), lora=lora, cfg=cfg, kl_coef=0.01 if lora else 0.0
     )
-    seen: list[set[str]] = []
-    velocity = module.policy.velocity
-
-    def recording(latents, sigma, embeds, guidance_scale):  # what every forward (rollout, visits) is given
-        seen.append(set(embeds))
-        return velocity(latents, sigma, embeds, guidance_scale)
-
-    module.policy.velocity = recording
-    trainer = make_trainer(tmp_path, max_steps=1)
-    trainer.fit(module, datamodule=edit_data(records, val=None))
-    assert trainer.global_step == 2  # one rollout: its two optimizer steps
-    row = next(r for r in logged(trainer) if "actor/loss" in r)
-    assert math.isfinite(row["actor/loss"])
     wanted = {"source_latents", "source_shapes"} | ({"negative_prompt_embeds"} if cfg > 1 else set())
-    assert seen and all(wanted <= keys for keys in seen)
-    moved = [p for p in module.policy.transformer.parameters() if p.requires_grad]
-    assert moved and all(p.dtype == torch.float32 for p in moved)
-    if not lora:
-        assert not any("lora_" in n for n, _ in module.policy.transformer.named_parameters())
+    step_with_the_conditioning(module, records, tmp_path, wanted, lora, max_steps=1)
 
 
 # --------------------------------------------------------------------------------------------------
