@@ -118,13 +118,13 @@ def curves_picture(runs: Sequence[str], labels: Sequence[str] | None = None) -> 
             xy = [(x0 + s / last * w, y0 + h - v * h) for s, v in points]
             if len(xy) > 1:
                 draw.line(xy, fill=CURVES[k], width=2)
-    legend = "   ".join(f"{k}" for k in CURVES)
-    draw.text(
-        (pad, h + 2 * pad),
-        f"training samples per rollout: {legend} (orange, blue, green)",
-        fill=(0, 0, 0),
-        font=font,
-    )
+    x = pad
+    draw.text((x, h + 2 * pad), "training samples per rollout:", fill=(0, 0, 0), font=font)
+    x += 180
+    for k, colour in CURVES.items():
+        draw.line([x, h + 2 * pad + 6, x + 16, h + 2 * pad + 6], fill=colour, width=2)
+        draw.text((x + 20, h + 2 * pad), k, fill=(0, 0, 0), font=font)
+        x += 90
     return canvas
 
 
