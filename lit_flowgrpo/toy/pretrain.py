@@ -53,6 +53,10 @@ class ToyShapesDataset(IterableDataset):
         flip_prob: probability that a scene is mirrored left to right with its caption unchanged.
         swap_colors_prob: probability that the colours a caption binds to two objects are drawn the
             other way round (the caption unchanged).
+        relation_noise_prob: probability that the objects of a caption naming a relation are placed
+            as if none were named (the caption unchanged).
+        count_noise_prob: probability that a counting caption's objects are drawn in another number,
+            one of the world's other counts (the caption unchanged).
     """
 
     def __init__(
@@ -63,6 +67,8 @@ class ToyShapesDataset(IterableDataset):
         rank: int = 0,
         flip_prob: float = 0.0,
         swap_colors_prob: float = 0.0,
+        relation_noise_prob: float = 0.0,
+        count_noise_prob: float = 0.0,
     ) -> None:
         self.records = list(records)
         self.seed = seed
@@ -70,15 +76,23 @@ class ToyShapesDataset(IterableDataset):
         self.probs = _record_probs(self.records, family_weights)
         self.flip_prob = flip_prob
         self.swap_colors_prob = swap_colors_prob
+        self.relation_noise_prob = relation_noise_prob
+        self.count_noise_prob = count_noise_prob
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         rng = stream_rng(self.seed, self.rank)
         while True:
             record = self.records[rng.choice(len(self.records), p=self.probs)]
-            scene = world.sample_scene(record, rng)
-            # Each draw only where its probability is set, so a clean stream stays what it was.
+            drawn = record
+            # Each draw only where its probability is set and the record has what it changes, so a
+            # clean stream stays what it was.
+            if self.relation_noise_prob and has_relation(record) and rng.random() < self.relation_noise_prob:
+                drawn = without_relation(drawn)
+            if self.count_noise_prob and record["tag"] == "counting" and rng.random() < self.count_noise_prob:
+                drawn = with_other_count(drawn, rng)
+            scene = world.sample_scene(drawn, rng)
             if self.swap_colors_prob and rng.random() < self.swap_colors_prob:
-                scene = swap_bound_colors(record, scene)
+                scene = swap_bound_colors(drawn, scene)
             image = world.render(scene)  # (H, W, 3) uint8
             if self.flip_prob and rng.random() < self.flip_prob:
                 image = image[:, ::-1]
@@ -103,6 +117,24 @@ def swap_bound_colors(record: Mapping[str, Any], scene: list[dict[str, Any]]) ->
     return [
         obj | {"color": swap[obj["color"]]} if entry_of[k] in (a, b) else obj for k, obj in enumerate(scene)
     ]
+
+
+def has_relation(record: Mapping[str, Any]) -> bool:
+    """Whether the record asks for a relation between its objects (the ``position`` family)."""
+    return any("position" in entry for entry in record["include"])
+
+
+def without_relation(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The record with its relation dropped: the same objects, placed as two unrelated ones are."""
+    include = [{k: v for k, v in entry.items() if k != "position"} for entry in record["include"]]
+    return {**record, "include": include}
+
+
+def with_other_count(record: Mapping[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+    """A counting record's single entry drawn in another of the world's counts, uniformly."""
+    (entry,) = record["include"]
+    others = [n for n in world.NUMBER_WORDS if n != int(entry["count"])]
+    return {**record, "include": [{**entry, "count": others[int(rng.integers(len(others)))]}]}
 
 
 def stream_rng(seed: int, rank: int) -> np.random.Generator:
@@ -180,9 +212,14 @@ class ToyShapesDataModule(RenderedDataModule):
         swap_colors_prob: draw this fraction of the scenes whose caption binds colours to two
             objects with those colours exchanged, captions unchanged (a caption that names the right
             colours and shapes but binds them wrongly).
+        relation_noise_prob: place the objects of this fraction of the scenes whose caption names a
+            relation as if it named none, captions unchanged (a caption that states a relation the
+            picture does not show).
+        count_noise_prob: draw this fraction of the counting scenes with another of the world's
+            counts, captions unchanged (a miscounted caption).
 
-    The two noise settings make the pretraining data lossy the ways web captions are (the
-    shipped config says why); both are off by default.
+    The noise settings make the pretraining data lossy the ways web captions are (the shipped
+    config says which it uses and why); all are off by default.
     """
 
     def __init__(
@@ -193,14 +230,21 @@ class ToyShapesDataModule(RenderedDataModule):
         family_weights: dict[str, float] | None = None,
         flip_prob: float = 0.0,
         swap_colors_prob: float = 0.0,
+        relation_noise_prob: float = 0.0,
+        count_noise_prob: float = 0.0,
     ) -> None:
         super().__init__(batch_size, num_workers, seed)
-        for name, value in (("flip_prob", flip_prob), ("swap_colors_prob", swap_colors_prob)):
+        noise = {
+            "flip_prob": flip_prob,
+            "swap_colors_prob": swap_colors_prob,
+            "relation_noise_prob": relation_noise_prob,
+            "count_noise_prob": count_noise_prob,
+        }
+        for name, value in noise.items():
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"--data.init_args.{name} ({value}) must be a probability in [0, 1]")
         self.family_weights = family_weights
-        self.flip_prob = flip_prob
-        self.swap_colors_prob = swap_colors_prob
+        self.noise = noise
         self.records = world.load_prompts("train")
         _record_probs(self.records, family_weights)  # fail at construction, before any model is built
 
@@ -211,8 +255,7 @@ class ToyShapesDataModule(RenderedDataModule):
             self.seed,
             self.family_weights,
             rank=rank,
-            flip_prob=self.flip_prob,
-            swap_colors_prob=self.swap_colors_prob,
+            **self.noise,
         )
         return self._loader(dataset)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -83,9 +84,49 @@ def test_data_noise_mirrors_scenes_and_swaps_bound_colours() -> None:
     counting = world.make_record("counting", [("triangle", 2, "blue")])
     scene = world.sample_scene(counting, np.random.default_rng(0))
     assert swap_bound_colors(counting, scene) == scene
-    for name in ("flip_prob", "swap_colors_prob"):
+    for name in ("flip_prob", "swap_colors_prob", "relation_noise_prob", "count_noise_prob"):
         with pytest.raises(ValueError, match=rf"--data\.init_args\.{name} \(1\.5\) must be a probability"):
             ToyShapesDataModule(**{name: 1.5})
+
+
+def test_caption_noise_drops_relations_and_changes_counts() -> None:
+    """relation_noise_prob places a relation's objects as unrelated ones; count_noise_prob draws a
+    counting caption's objects in another count; the caption stays, and other families are untouched."""
+    from lit_flowgrpo.toy.pretrain import with_other_count, without_relation
+
+    left = world.make_record("position", [("circle", 1, "red"), ("square", 1, "green")], "left of")
+    free = without_relation(left)
+    assert [e.get("position") for e in left["include"]] == [None, ["left of", 0]]
+    assert all("position" not in e for e in free["include"]) and free["prompt"] == left["prompt"]
+    assert [(e["class"], e["color"]) for e in free["include"]] == [("square", "green"), ("circle", "red")]
+
+    def relation_rate(dataset: ToyShapesDataset, n: int) -> float:
+        # the dataset's scenes are not exposed, so read each image with the verifier's relation test
+        from lit_flowgrpo.toy.verifier import ShapeVerifier
+
+        verifier = ShapeVerifier()
+        items = _take(dataset, n)
+        images = np.stack(
+            [((it["pixels"].permute(1, 2, 0) + 1) * 127.5).round().byte().numpy() for it in items]
+        )
+        strict, _ = verifier.score_batch(images, [left] * n)
+        return float(np.mean(strict))
+
+    assert relation_rate(ToyShapesDataset([left], seed=1), 40) == 1.0  # clean renders always hold it
+    # Placed as unrelated objects, "left of" with its margins holds about a quarter of the time.
+    assert relation_rate(ToyShapesDataset([left], seed=1, relation_noise_prob=1.0), 200) < 0.5
+
+    three = world.make_record("counting", [("triangle", 3, "blue")])
+    rng = np.random.default_rng(0)
+    counts = Counter(with_other_count(three, rng)["include"][0]["count"] for _ in range(400))
+    assert set(counts) == {1, 2} and min(counts.values()) > 150  # uniform over the other counts
+    items = _take(ToyShapesDataset([three], seed=2, count_noise_prob=1.0), 5)
+    assert all(it["prompt"] == three["prompt"] for it in items)
+    # Noise settings leave records they do not apply to drawn as a clean stream draws them.
+    single = world.make_record("colors", [("circle", 1, "red")])
+    clean = _take(ToyShapesDataset([single], seed=3), 3)
+    noisy = _take(ToyShapesDataset([single], seed=3, relation_noise_prob=1.0, count_noise_prob=1.0), 3)
+    assert all(torch.equal(a["pixels"], b["pixels"]) for a, b in zip(clean, noisy, strict=True))
 
 
 def test_family_weights() -> None:

@@ -24,7 +24,10 @@ def test_each_bad_record_is_named_with_its_index_and_reason() -> None:
         "prompt record 1 ('a red dragon near the castle'): words outside the toy world's vocabulary "
         "['dragon', 'near', 'castle']"
     )
-    assert problems[1].startswith("prompt record 3 ('a square'):") and "include[0].class 'dog'" in problems[1]
+    assert (
+        problems[1].startswith(f"prompt record 3 ({good[1]['prompt']!r}):")
+        and "include[0].class 'dog'" in problems[1]
+    )
     assert (
         problems[2].startswith("prompt record 4 ('a red circle'):") and "non-empty 'include'" in problems[2]
     )
