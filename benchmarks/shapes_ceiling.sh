@@ -16,7 +16,7 @@
 #                   PRE_SECONDS, scored by family with lit_flowgrpo.toy.evaluate (the shipped base too);
 #   WORK/xattn32_rl then the main job from that base, RL_ROLLOUTS rollouts, 3 seeds;
 #   WORK/mix_rl     with MIX=1 only: the main job from the shipped base with the training list's position
-#                   prompts listed 3 times and its colour-binding prompts twice (22% each of the RL
+#                   prompts listed 3 times and its colour-binding prompts twice (on the mix before 2026-12-02: 22% each of the RL
 #                   prompts instead of 10% and 15%; the held-out list unchanged), RL_ROLLOUTS rollouts.
 # Every fit gets --trainer.max_time so that it stops before the deadline and is evaluated once more
 # (HeldOutReport's evaluate_after_training). The DiffusionNFT runs use micro-batches of 64 instead of

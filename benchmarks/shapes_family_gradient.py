@@ -1,7 +1,8 @@
 """Does the on-policy gradient of one prompt family raise that family? A step along it, on paired noise.
 
-RL on the shipped base raises counting, two objects, colours and single objects, and leaves colour
-binding (``color_attr``) and position where they were (docs/shapes_world.md). This asks whether the
+RL on the 1000-step base shipped from 2026-11-28 to 2026-12-01 raised counting, two objects, colours and
+single objects, and left colour binding (``color_attr``) and position where they were
+(docs/shapes_world.md); the figures below were taken on that base. This asks whether the
 policy gradient carries a first-order signal for a family at all: it takes the Flow-GRPO gradient of
 ``benchmarks/gradient_direction.py`` (``policy_gradient``: one rollout, group-normalised advantages,
 ratio 1) from the family's own training prompts only, moves the weights by ``α`` times Adam's first

@@ -84,11 +84,12 @@ class ToyShapesDataset(IterableDataset):
         while True:
             record = self.records[rng.choice(len(self.records), p=self.probs)]
             drawn = record
-            # Each draw only where its probability is set and the record has what it changes, so a
-            # clean stream stays what it was.
+            # The relation and count draws only where their probability is set and the record has
+            # what they change; the swap and flip draws wherever theirs is set. A clean stream stays
+            # what it was.
             if self.relation_noise_prob and has_relation(record) and rng.random() < self.relation_noise_prob:
                 drawn = without_relation(drawn)
-            if self.count_noise_prob and record["tag"] == "counting" and rng.random() < self.count_noise_prob:
+            if self.count_noise_prob and is_counting(record) and rng.random() < self.count_noise_prob:
                 drawn = with_other_count(drawn, rng)
             scene = world.sample_scene(drawn, rng)
             if self.swap_colors_prob and rng.random() < self.swap_colors_prob:
@@ -121,7 +122,12 @@ def swap_bound_colors(record: Mapping[str, Any], scene: list[dict[str, Any]]) ->
 
 def has_relation(record: Mapping[str, Any]) -> bool:
     """Whether the record asks for a relation between its objects (the ``position`` family)."""
-    return any("position" in entry for entry in record["include"])
+    return any("position" in entry for entry in record.get("include") or ())
+
+
+def is_counting(record: Mapping[str, Any]) -> bool:
+    """Whether the record is a counting one: the ``counting`` family, one object entry."""
+    return record.get("tag") == "counting" and len(record.get("include") or ()) == 1
 
 
 def without_relation(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -132,6 +138,11 @@ def without_relation(record: Mapping[str, Any]) -> dict[str, Any]:
 
 def with_other_count(record: Mapping[str, Any], rng: np.random.Generator) -> dict[str, Any]:
     """A counting record's single entry drawn in another of the world's counts, uniformly."""
+    if not is_counting(record):
+        raise ValueError(
+            f"record {record.get('prompt', record)!r} is not a counting record with one object entry: "
+            "count noise applies only to those"
+        )
     (entry,) = record["include"]
     others = [n for n in world.NUMBER_WORDS if n != int(entry["count"])]
     return {**record, "include": [{**entry, "count": others[int(rng.integers(len(others)))]}]}

@@ -100,28 +100,35 @@ def test_caption_noise_drops_relations_and_changes_counts() -> None:
     assert all("position" not in e for e in free["include"]) and free["prompt"] == left["prompt"]
     assert [(e["class"], e["color"]) for e in free["include"]] == [("square", "green"), ("circle", "red")]
 
-    def relation_rate(dataset: ToyShapesDataset, n: int) -> float:
-        # the dataset's scenes are not exposed, so read each image with the verifier's relation test
+    def rate(items: list[dict], record: dict) -> float:
+        # the dataset's scenes are not exposed, so read each image with the verifier
         from lit_flowgrpo.toy.verifier import ShapeVerifier
 
-        verifier = ShapeVerifier()
-        items = _take(dataset, n)
         images = np.stack(
             [((it["pixels"].permute(1, 2, 0) + 1) * 127.5).round().byte().numpy() for it in items]
         )
-        strict, _ = verifier.score_batch(images, [left] * n)
+        strict, _ = ShapeVerifier().score_batch(images, [record] * len(items))
         return float(np.mean(strict))
 
-    assert relation_rate(ToyShapesDataset([left], seed=1), 40) == 1.0  # clean renders always hold it
-    # Placed as unrelated objects, "left of" with its margins holds about a quarter of the time.
-    assert relation_rate(ToyShapesDataset([left], seed=1, relation_noise_prob=1.0), 200) < 0.5
+    assert rate(_take(ToyShapesDataset([left], seed=1), 40), left) == 1.0  # clean renders always hold it
+    # Placed as unrelated objects, "left of" with its margins holds about 0.3 of the time.
+    assert rate(_take(ToyShapesDataset([left], seed=1, relation_noise_prob=1.0), 200), left) < 0.5
+    # With the colours swapped too, the named colours sit on the wrong shapes: nothing passes.
+    both = ToyShapesDataset([left], seed=1, relation_noise_prob=1.0, swap_colors_prob=1.0)
+    assert rate(_take(both, 40), left) == 0.0
 
     three = world.make_record("counting", [("triangle", 3, "blue")])
     rng = np.random.default_rng(0)
     counts = Counter(with_other_count(three, rng)["include"][0]["count"] for _ in range(400))
     assert set(counts) == {1, 2} and min(counts.values()) > 150  # uniform over the other counts
-    items = _take(ToyShapesDataset([three], seed=2, count_noise_prob=1.0), 5)
-    assert all(it["prompt"] == three["prompt"] for it in items)
+    # In the stream every scene of the caption has another count: none passes the verifier, every
+    # clean one does, and the caption stays.
+    for prob, passes in ((0.0, 1.0), (1.0, 0.0)):
+        items = _take(ToyShapesDataset([three], seed=2, count_noise_prob=prob), 20)
+        assert all(it["prompt"] == three["prompt"] for it in items)
+        assert rate(items, three) == passes
+    with pytest.raises(ValueError, match="not a counting record"):
+        with_other_count(left, rng)
     # Noise settings leave records they do not apply to drawn as a clean stream draws them.
     single = world.make_record("colors", [("circle", 1, "red")])
     clean = _take(ToyShapesDataset([single], seed=3), 3)
