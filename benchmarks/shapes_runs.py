@@ -291,6 +291,29 @@ PLANS["gardo"] = {
     label: PLANS["gardo_sweep"][label] for label in ("kl0.4_proxy", "gardo_b4", "gardo_b4_initial_ref")
 }
 PLANS["gardo"]["gardo_b1"] = ("configs/hacking_gardo.yaml", [KL_GROUP + "coef=1"])
+
+# The main job in bfloat16 (2026-12-02, second session): the toy policy loaded in bf16 computes under
+# autocast while its float32 master weights train (the recipes' mixed precision). "nft_fp32" is the
+# main job before that day, "nft_bf16" the same in bf16; both pinned to the update of then (9 of 10
+# noise levels, micro-batches of 32), since configs/quickstart.yaml now visits 5 in micro-batches of 64
+# (benchmarks/shapes_bf16.sh passed 64 to every run).
+BF16 = "--model.init_args.policy.init_args.dtype=bfloat16"
+_FULL = [NFT + "visit_fraction=0.99", "--model.init_args.update.micro_batch_size=32"]
+PLANS["bf16"] = {
+    "nft_fp32": ("configs/quickstart.yaml", [*_FULL, "--model.init_args.policy.init_args.dtype=float32"]),
+    "nft_bf16": ("configs/quickstart.yaml", [*_FULL, BF16]),
+    "nft_bf16_mb64": ("configs/quickstart.yaml", [*_FULL, BF16, "--model.init_args.update.micro_batch_size=64"]),
+    # a larger step, and half the update's noise levels, for fewer rollouts in the same minutes
+    "nft_bf16_lr5e-5": ("configs/quickstart.yaml", [*_FULL, BF16, LR + "5e-5"]),
+    "nft_bf16_vf0.5": ("configs/quickstart.yaml", [*_FULL, BF16, NFT + "visit_fraction=0.5"]),
+}
+# The main job as shipped since (bf16, 5 of 10 noise levels) run long: its curve to 200 rollouts fell
+# from 0.71 at 70-100 back to 0.49-0.60 in the full update's runs, the training reward with it, while
+# the velocity's distance to the base (actor/kl_loss) grew from 0.02 to 0.5. A stronger pull to the
+# reference for the long form: kl.coef 1e-4 (the config) against 0.1, 0.3 and 1.
+PLANS["kl_long"] = {
+    f"nft_kl{c}": ("configs/quickstart.yaml", [KL_GROUP + f"coef={c}"]) for c in ("1e-4", "0.1", "0.3", "1.0")
+}
 #: validation and rollout keys besides the held-out one, kept per rollout when a run logs them
 EXTRA_KEYS = (
     "val-aux/shapes_color/mean@1",

@@ -270,6 +270,21 @@ def coordinate_channels(height: int, width: int, device: torch.device, dtype: to
     return torch.stack([grid_x, grid_y])[None].to(dtype)
 
 
+def input_dtype(unet: nn.Module, default: torch.dtype) -> torch.dtype:
+    """The dtype the U-Net's inputs are cast to: that of its norm parameters.
+
+    diffusers adds the class embedding to the time embedding in the sample's dtype, outside autocast's
+    casts. Float32 master weights and their frozen copies (the old policy, the reference: matrices in
+    bf16, norms in float32, :func:`lit_flowgrpo.copies.cast_elementwise`) must add them in the same
+    dtype to compute the same velocity before any update; a model loaded in bf16 throughout, or a
+    LoRA on a bf16 base, keeps bf16 inputs.
+    """
+    for module in unet.modules():
+        if isinstance(module, (nn.GroupNorm, nn.LayerNorm)) and module.weight is not None:
+            return module.weight.dtype
+    return unet.dtype if hasattr(unet, "dtype") else default
+
+
 def predict_velocity(unet: nn.Module, latents: Tensor, sigma: Tensor, embeds: Mapping[str, Tensor]) -> Tensor:
     """The U-Net's velocity prediction v = ε − x0 (B, 3, H, W), in the U-Net's dtype.
 
@@ -279,7 +294,7 @@ def predict_velocity(unet: nn.Module, latents: Tensor, sigma: Tensor, embeds: Ma
         sigma: (B,) noise levels in [0, 1]; the U-Net sees σ·1000 as its timestep (SD3's convention).
         embeds: ``text_hidden`` (B, L, D), ``text_mask`` (B, L), ``text_pooled`` (B, D).
     """
-    dtype = unet.dtype if hasattr(unet, "dtype") else latents.dtype
+    dtype = input_dtype(unet, latents.dtype)
     b, _, h, w = latents.shape
     coords = coordinate_channels(h, w, latents.device, dtype).expand(b, -1, -1, -1)
     sample = torch.cat([latents.to(dtype), coords], dim=1)
