@@ -17,8 +17,8 @@ work=$1
 budget=$2
 py=${PYTHON:-python3}
 start=$(date +%s)
-# Lightning's max_time, DD:HH:MM:SS, for a run that must stop S seconds from the start
-until_s() { local s=$(($1 - ($(date +%s) - start))); s=$((s > 30 ? s : 30)); printf '00:%02d:%02d:%02d' $((s / 3600)) $((s % 3600 / 60)) $((s % 60)); }
+# shellcheck source=benchmarks/deadline.sh
+. "$(dirname "$0")/deadline.sh"
 common=(--plan bf16 --val_seeds "${VAL_SEEDS:-2}" --max_val_prompts "${VAL_PROMPTS:-0}" --accelerator "${ACCEL:-cuda}" --val_every "${EVERY:-10}" --threads 1)
 mb=--model.init_args.update.micro_batch_size=64
 stop=$((budget - 40))  # leaves the last evaluation and the reports their time

@@ -21,7 +21,8 @@ work=$1
 budget=$2
 py=${PYTHON:-python3}
 start=$(date +%s)
-until_s() { local s=$(($1 - ($(date +%s) - start))); s=$((s > 30 ? s : 30)); printf '00:%02d:%02d:%02d' $((s / 3600)) $((s % 3600 / 60)) $((s % 60)); }
+# shellcheck source=benchmarks/deadline.sh
+. "$(dirname "$0")/deadline.sh"
 common=(--val_seeds "${VAL_SEEDS:-2}" --max_val_prompts "${VAL_PROMPTS:-0}" --accelerator "${ACCEL:-cuda}" --threads 1)
 stop=$((budget - 40))
 read -r -a kl_seeds <<< "${KL_SEEDS:-0 1}"
