@@ -302,7 +302,10 @@ _FULL = [NFT + "visit_fraction=0.99", "--model.init_args.update.micro_batch_size
 PLANS["bf16"] = {
     "nft_fp32": ("configs/quickstart.yaml", [*_FULL, "--model.init_args.policy.init_args.dtype=float32"]),
     "nft_bf16": ("configs/quickstart.yaml", [*_FULL, BF16]),
-    "nft_bf16_mb64": ("configs/quickstart.yaml", [*_FULL, BF16, "--model.init_args.update.micro_batch_size=64"]),
+    "nft_bf16_mb64": (
+        "configs/quickstart.yaml",
+        [*_FULL, BF16, "--model.init_args.update.micro_batch_size=64"],
+    ),
     # a larger step, and half the update's noise levels, for fewer rollouts in the same minutes
     "nft_bf16_lr5e-5": ("configs/quickstart.yaml", [*_FULL, BF16, LR + "5e-5"]),
     "nft_bf16_vf0.5": ("configs/quickstart.yaml", [*_FULL, BF16, NFT + "visit_fraction=0.5"]),
@@ -313,6 +316,25 @@ PLANS["bf16"] = {
 # reference for the long form: kl.coef 1e-4 (the config) against 0.1, 0.3 and 1.
 PLANS["kl_long"] = {
     f"nft_kl{c}": ("configs/quickstart.yaml", [KL_GROUP + f"coef={c}"]) for c in ("1e-4", "0.1", "0.3", "1.0")
+}
+# Gain per CPU-minute of the whole job (2026-12-02, third session): the main job as shipped (dtype auto:
+# bf16 on a GPU or a CPU with bf16 instructions, float32 on an AVX2 CPU, where bf16 products are emulated
+# and over a hundred times slower), beside settings that make a rollout cheaper or a step larger. The
+# learning is measured on a GPU, the cost of each on the CPU to be described (--timing).
+_Q = "configs/quickstart.yaml"
+PLANS["minute"] = {
+    "nft": (_Q, []),
+    "nft_vf0.3": (_Q, [NFT + "visit_fraction=0.3"]),
+    "nft_vf0.2": (_Q, [NFT + "visit_fraction=0.2"]),
+    "nft_lr5e-5": (_Q, [LR + "5e-5"]),
+    "nft_lr5e-5_vf0.3": (_Q, [LR + "5e-5", NFT + "visit_fraction=0.3"]),
+    "nft_p6": (_Q, ["--data.init_args.prompts_per_step=6", "--model.init_args.update.micro_batch_size=48"]),
+    "nft_steps8": (_Q, [SAMPLER + "num_steps=8"]),
+    "nft_lr5e-5_steps8": (_Q, [LR + "5e-5", SAMPLER + "num_steps=8"]),
+    # the larger steps, after the first call of this plan showed lr 5e-5 ahead at every evaluation
+    "nft_lr7e-5": (_Q, [LR + "7e-5"]),
+    "nft_lr7e-5_vf0.3": (_Q, [LR + "7e-5", NFT + "visit_fraction=0.3"]),
+    "nft_lr1e-4_vf0.3": (_Q, [LR + "1e-4", NFT + "visit_fraction=0.3"]),
 }
 #: validation and rollout keys besides the held-out one, kept per rollout when a run logs them
 EXTRA_KEYS = (

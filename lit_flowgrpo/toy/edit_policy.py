@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_flowgrpo.conditioning import Condition
-from lit_flowgrpo.policies.base import HEIGHT_FLAG, WIDTH_FLAG, DType, Embeds, cat_embeds
+from lit_flowgrpo.policies.base import HEIGHT_FLAG, WIDTH_FLAG, Embeds, cat_embeds
 from lit_flowgrpo.toy.edit_model import (
     EDIT_REGENERATE_HINT,
     default_edit_checkpoint,
@@ -31,7 +31,7 @@ from lit_flowgrpo.toy.edit_model import (
     trained_size,
 )
 from lit_flowgrpo.toy.model import ToyTextEncoder
-from lit_flowgrpo.toy.policy import PixelToyPolicy
+from lit_flowgrpo.toy.policy import PixelToyPolicy, ToyDType
 
 _TEXT_KEYS = ("text_hidden", "text_mask", "text_pooled")
 
@@ -42,7 +42,9 @@ class ToyEditPolicy(PixelToyPolicy):
     Args:
         pretrained: a toy editing checkpoint (``.safetensors``) written by the toy editing pretraining;
             ``None`` uses the one shipped in the package.
-        dtype: dtype of both networks. Velocities are returned in fp32 whatever it is.
+        dtype: dtype of both networks, or ``"auto"``: bfloat16 where the fit's device computes it in
+            hardware, float32 elsewhere (:func:`~lit_flowgrpo.toy.policy.toy_dtype`). Velocities are
+            returned in fp32 whatever it is.
         shift: SD3's timestep shift of the sampling sigmas, σ' = s·σ / (1 + (s − 1)·σ); 1 keeps the
             plain linear schedule.
     """
@@ -57,7 +59,9 @@ class ToyEditPolicy(PixelToyPolicy):
     checkpoint_name = "toy editing checkpoint"
     regenerate_hint = EDIT_REGENERATE_HINT
 
-    def __init__(self, pretrained: str | None = None, dtype: DType = "float32", shift: float = 1.0) -> None:
+    def __init__(
+        self, pretrained: str | None = None, dtype: ToyDType = "float32", shift: float = 1.0
+    ) -> None:
         # A few thousand (instruction, source) pairs in the whole shipped world: all stay cached.
         super().__init__(pretrained, dtype, shift, cache_size=1 << 16)
 

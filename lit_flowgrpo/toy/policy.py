@@ -15,20 +15,21 @@ from __future__ import annotations
 import os
 from abc import abstractmethod
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 from diffusers import UNet2DConditionModel
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from lit_flowgrpo.policies.base import (
     HEIGHT_FLAG,
     WIDTH_FLAG,
-    DType,
     Embeds,
     FlowPolicy,
     PromptCache,
     cat_embeds,
+    native_bf16,
     resolve_dtype,
 )
 from lit_flowgrpo.toy.model import (
@@ -41,6 +42,21 @@ from lit_flowgrpo.toy.model import (
 
 _FLAG = "--model.init_args.policy.init_args"
 
+ToyDType = Literal["auto", "float32", "bfloat16", "float16"]
+"""A toy policy's dtype: a fixed one, or ``"auto"`` (:func:`toy_dtype`)."""
+
+
+def toy_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype a toy policy's ``dtype`` names on ``device``.
+
+    ``"auto"`` is bfloat16 where ``device`` computes it in hardware
+    (:func:`~lit_flowgrpo.policies.base.native_bf16`) and float32 elsewhere: the toy world runs on
+    any CPU, and on one without bf16 instructions a bf16 fit is many times slower than a float32 one.
+    """
+    if name == "auto":
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    return resolve_dtype(name)
+
 
 class PixelToyPolicy(FlowPolicy):
     """A toy model family in pixel space: a denoiser and a frozen text encoder read from one toy
@@ -51,7 +67,10 @@ class PixelToyPolicy(FlowPolicy):
 
     Args:
         pretrained: a checkpoint of the subclass's kind; ``None`` uses the one shipped in the package.
-        dtype: dtype of both networks. Velocities are returned in fp32 whatever it is.
+        dtype: dtype of both networks, or ``"auto"`` (:func:`toy_dtype`), resolved when the policy
+            loads, for the device it loads on: inside a fit the fit's device (Lightning builds the
+            model under it), called directly torch's default device. Velocities are returned in
+            fp32 whatever it is.
         shift: SD3's timestep shift of the sampling sigmas.
         cache_size: prompts whose embeddings stay cached.
     """
@@ -65,7 +84,7 @@ class PixelToyPolicy(FlowPolicy):
     uses_cfg_batch = True
     image_size_multiple = 4
 
-    def __init__(self, pretrained: str | None, dtype: DType, shift: float, cache_size: int) -> None:
+    def __init__(self, pretrained: str | None, dtype: ToyDType, shift: float, cache_size: int) -> None:
         super().__init__()
         self.pretrained = pretrained
         self.dtype_name = dtype
@@ -92,8 +111,10 @@ class PixelToyPolicy(FlowPolicy):
 
     def problems(self) -> list[str]:
         out = []
-        if self.dtype_name not in ("float32", "bfloat16", "float16"):
-            out.append(f"{_FLAG}.dtype ({self.dtype_name!r}) must be one of 'float32', 'bfloat16', 'float16'")
+        if self.dtype_name not in ("auto", "float32", "bfloat16", "float16"):
+            out.append(
+                f"{_FLAG}.dtype ({self.dtype_name!r}) must be one of 'auto', 'float32', 'bfloat16', 'float16'"
+            )
         if not self.shift > 0:
             out.append(f"{_FLAG}.shift ({self.shift}) must be positive (1 = no shift)")
         if self.pretrained is not None and not os.path.isfile(self.checkpoint_path):
@@ -114,7 +135,16 @@ class PixelToyPolicy(FlowPolicy):
         found = self.problems()
         if found:
             raise ValueError("; ".join(found))
-        denoiser, text_encoder = self._read_checkpoint(self.checkpoint_path, resolve_dtype(self.dtype_name))
+        device = torch.get_default_device()
+        if device.type == "meta":  # a sharded strategy's empty init: the ranks compute on their GPU
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = toy_dtype(self.dtype_name, device)
+        if self.dtype_name == "auto":
+            why = (
+                "computes bf16 in hardware" if dtype == torch.bfloat16 else "has no bf16 matrix instructions"
+            )
+            rank_zero_info(f"{_FLAG}.dtype auto: {str(dtype).removeprefix('torch.')} ({device.type} {why})")
+        denoiser, text_encoder = self._read_checkpoint(self.checkpoint_path, dtype)
         text_encoder.requires_grad_(False).eval()
         denoiser.requires_grad_(True)
         setattr(self, self.denoiser_name, denoiser)
@@ -168,7 +198,9 @@ class ToyPolicy(PixelToyPolicy):
     Args:
         pretrained: a toy checkpoint (``.safetensors``) written by the toy pretraining; ``None``
             uses the one shipped in the package.
-        dtype: dtype of both networks. Velocities are returned in fp32 whatever it is.
+        dtype: dtype of both networks, or ``"auto"``: bfloat16 where the fit's device computes it in
+            hardware, float32 elsewhere (:func:`~lit_flowgrpo.toy.policy.toy_dtype`). Velocities are
+            returned in fp32 whatever it is.
         shift: SD3's timestep shift of the sampling sigmas, σ' = s·σ / (1 + (s − 1)·σ); 1 keeps the
             plain linear schedule.
     """
@@ -184,7 +216,9 @@ class ToyPolicy(PixelToyPolicy):
     regenerate_hint = REGENERATE_HINT
     unet: UNet2DConditionModel | None
 
-    def __init__(self, pretrained: str | None = None, dtype: DType = "float32", shift: float = 1.0) -> None:
+    def __init__(
+        self, pretrained: str | None = None, dtype: ToyDType = "float32", shift: float = 1.0
+    ) -> None:
         # The world has a few thousand short prompts: all of them stay cached.
         super().__init__(pretrained, dtype, shift, cache_size=1 << 20)
 

@@ -19,12 +19,11 @@ from lit_flowgrpo.policies.base import (
     FRAMES_FLAG,
     HEIGHT_FLAG,
     WIDTH_FLAG,
-    DType,
     Embeds,
     cat_embeds,
 )
 from lit_flowgrpo.toy.model import ToyTextEncoder
-from lit_flowgrpo.toy.policy import PixelToyPolicy
+from lit_flowgrpo.toy.policy import PixelToyPolicy, ToyDType
 from lit_flowgrpo.toy.video_model import (
     VIDEO_REGENERATE_HINT,
     ToyVideoNet,
@@ -42,7 +41,9 @@ class ToyVideoPolicy(PixelToyPolicy):
     Args:
         pretrained: a toy video checkpoint (``.safetensors``) written by the toy video pretraining;
             ``None`` uses the one shipped in the package.
-        dtype: dtype of both networks. Velocities are returned in fp32 whatever it is.
+        dtype: dtype of both networks, or ``"auto"``: bfloat16 where the fit's device computes it in
+            hardware, float32 elsewhere (:func:`~lit_flowgrpo.toy.policy.toy_dtype`). Velocities are
+            returned in fp32 whatever it is.
         shift: SD3's timestep shift of the sampling sigmas, σ' = s·σ / (1 + (s − 1)·σ); 1 keeps the
             plain linear schedule.
     """
@@ -57,7 +58,9 @@ class ToyVideoPolicy(PixelToyPolicy):
     regenerate_hint = VIDEO_REGENERATE_HINT
     net: ToyVideoNet | None
 
-    def __init__(self, pretrained: str | None = None, dtype: DType = "float32", shift: float = 1.0) -> None:
+    def __init__(
+        self, pretrained: str | None = None, dtype: ToyDType = "float32", shift: float = 1.0
+    ) -> None:
         super().__init__(pretrained, dtype, shift, cache_size=1 << 16)  # 48 prompts in the whole video world
 
     def _shipped_checkpoint(self) -> str:
