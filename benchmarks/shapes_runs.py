@@ -298,7 +298,11 @@ PLANS["gardo"]["gardo_b1"] = ("configs/hacking_gardo.yaml", [KL_GROUP + "coef=1"
 # noise levels, micro-batches of 32), since configs/quickstart.yaml now visits 5 in micro-batches of 64
 # (benchmarks/shapes_bf16.sh passed 64 to every run).
 BF16 = "--model.init_args.policy.init_args.dtype=bfloat16"
-_FULL = [NFT + "visit_fraction=0.99", "--model.init_args.update.micro_batch_size=32"]
+_FULL = [
+    NFT + "visit_fraction=0.99",
+    "--model.init_args.update.micro_batch_size=32",
+    LR + "3e-5",
+]  # as run then
 PLANS["bf16"] = {
     "nft_fp32": ("configs/quickstart.yaml", [*_FULL, "--model.init_args.policy.init_args.dtype=float32"]),
     "nft_bf16": ("configs/quickstart.yaml", [*_FULL, BF16]),
@@ -314,8 +318,9 @@ PLANS["bf16"] = {
 # from 0.71 at 70-100 back to 0.49-0.60 in the full update's runs, the training reward with it, while
 # the velocity's distance to the base (actor/kl_loss) grew from 0.02 to 0.5. A stronger pull to the
 # reference for the long form: kl.coef 1e-4 (the config) against 0.1, 0.3 and 1.
-PLANS["kl_long"] = {
-    f"nft_kl{c}": ("configs/quickstart.yaml", [KL_GROUP + f"coef={c}"]) for c in ("1e-4", "0.1", "0.3", "1.0")
+PLANS["kl_long"] = {  # run at the main job's lr of then, 3e-5, in bf16
+    f"nft_kl{c}": ("configs/quickstart.yaml", [KL_GROUP + f"coef={c}", LR + "3e-5", BF16])
+    for c in ("1e-4", "0.1", "0.3", "1.0")
 }
 # Gain per CPU-minute of the whole job (2026-12-02, third session): the main job as shipped (dtype auto:
 # bf16 on a GPU or a CPU with bf16 instructions, float32 on an AVX2 CPU, where bf16 products are emulated
@@ -323,7 +328,7 @@ PLANS["kl_long"] = {
 # learning is measured on a GPU, the cost of each on the CPU to be described (--timing).
 _Q = "configs/quickstart.yaml"
 PLANS["minute"] = {
-    "nft": (_Q, []),
+    "nft": (_Q, [LR + "3e-5"]),  # the main job as it was when this plan ran (its lr since: 5e-5)
     "nft_vf0.3": (_Q, [NFT + "visit_fraction=0.3"]),
     "nft_vf0.2": (_Q, [NFT + "visit_fraction=0.2"]),
     "nft_lr5e-5": (_Q, [LR + "5e-5"]),
