@@ -77,6 +77,23 @@ COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotu
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bf16 matrices in hardware: a CUDA GPU that supports bf16, or a
+    CPU with AVX-512 BF16 or AMX instructions.
+
+    Elsewhere PyTorch emulates the bf16 products, and on a CPU that is ruinous: a 1024 × 1024 product
+    took 2.2 s in bf16 against 0.014 s in float32 on a 2-core AVX2 machine. ``torch.cpu`` has no public
+    query for these instructions; its private ones are what inductor asks, read here with a fallback
+    so a PyTorch without them answers "no" rather than failing.
+    """
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type == "cpu":
+        queries = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        return any(bool(getattr(torch.cpu, q, lambda: False)()) for q in queries)
+    return False
+
+
 @dataclass
 class PerformanceSettings:
     """How the policy's transformer computes (rollout, update and reference alike).

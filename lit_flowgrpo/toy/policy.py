@@ -22,6 +22,7 @@ from diffusers import UNet2DConditionModel
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
+from lit_flowgrpo.performance import native_bf16
 from lit_flowgrpo.policies.base import (
     HEIGHT_FLAG,
     WIDTH_FLAG,
@@ -29,7 +30,6 @@ from lit_flowgrpo.policies.base import (
     FlowPolicy,
     PromptCache,
     cat_embeds,
-    native_bf16,
     resolve_dtype,
 )
 from lit_flowgrpo.toy.model import (
@@ -50,7 +50,7 @@ def toy_dtype(name: str, device: torch.device) -> torch.dtype:
     """The dtype a toy policy's ``dtype`` names on ``device``.
 
     ``"auto"`` is bfloat16 where ``device`` computes it in hardware
-    (:func:`~lit_flowgrpo.policies.base.native_bf16`) and float32 elsewhere: the toy world runs on
+    (:func:`~lit_flowgrpo.performance.native_bf16`) and float32 elsewhere: the toy world runs on
     any CPU, and on one without bf16 instructions a bf16 fit is many times slower than a float32 one.
     """
     if name == "auto":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_flowgrpo.policies.base import native_bf16
+from lit_flowgrpo.performance import native_bf16
 from lit_flowgrpo.toy.policy import ToyPolicy, toy_dtype
 from lit_flowgrpo.toy.video_policy import ToyVideoPolicy
 
