@@ -78,7 +78,7 @@ def predict_edit_velocity(
 ) -> Tensor:
     """The U-Net's velocity v = ε − x0 (B, 3, H, W) for noisy images (B, 3, H, W) at σ (B,), given
     ``embeds["source"]`` (B, 3, H, W) in [-1, 1] and the instruction's text states."""
-    dtype = unet.dtype if hasattr(unet, "dtype") else latents.dtype
+    dtype = image_model.input_dtype(unet, latents.dtype)  # the norms' dtype, as the image toy
     b, _, h, w = latents.shape
     source = embeds["source"]
     if source.shape != latents.shape:

@@ -298,7 +298,7 @@ def predict_video_velocity(
     net: nn.Module, latents: Tensor, sigma: Tensor, embeds: Mapping[str, Tensor]
 ) -> Tensor:
     """The network's velocity v = ε − x0 (B, F, 3, H, W) for noisy clips (B, F, 3, H, W) at σ (B,)."""
-    dtype = net.dtype if hasattr(net, "dtype") else latents.dtype
+    dtype = image_model.input_dtype(net, latents.dtype)  # the norms' dtype, as the image toy
     timestep = sigma.to(latents.device, torch.float32) * 1000.0  # SD3's convention, as the image toy
     return net(latents.to(dtype), timestep, embeds["text_pooled"].to(dtype))
 

@@ -6,11 +6,21 @@ job (``dtype: auto``) must load in float32 there and in bf16 where the instructi
 
 from __future__ import annotations
 
+import copy as copy_module
+
 import pytest
 import torch
 
+from lit_flowgrpo.copies import frozen_copy
 from lit_flowgrpo.performance import native_bf16
+from lit_flowgrpo.toy.edit_model import default_edit_checkpoint, load_edit_checkpoint, predict_edit_velocity
+from lit_flowgrpo.toy.model import default_checkpoint, load_checkpoint, predict_velocity
 from lit_flowgrpo.toy.policy import ToyPolicy, toy_dtype
+from lit_flowgrpo.toy.video_model import (
+    default_video_checkpoint,
+    load_video_checkpoint,
+    predict_video_velocity,
+)
 from lit_flowgrpo.toy.video_policy import ToyVideoPolicy
 
 
@@ -76,3 +86,33 @@ def test_auto_resolves_for_the_device_the_policy_loads_on(monkeypatch):
 def test_an_unknown_dtype_names_the_setting_and_the_choices():
     (problem,) = ToyVideoPolicy(dtype="float8").problems()  # type: ignore[arg-type]
     assert "--model.init_args.policy.init_args.dtype ('float8')" in problem and "'auto'" in problem
+
+
+@pytest.mark.parametrize("world", ["image", "edit", "video"])
+def test_a_bf16_copy_beside_float32_masters_predicts_their_velocity_bit_for_bit(world):
+    # The frozen copies of a float32-master run (the old policy, the KL reference) hold their
+    # matrices in bf16 and their norms in float32 (copies.frozen_copy); under bf16 autocast the
+    # masters' matrices round to the same values, so the velocities must be equal, not close: a
+    # first-step ratio of exactly 1 and KL of exactly 0. Inputs cast to the first parameter's dtype
+    # (a bf16 conv in the copy, float32 in the masters) broke that.
+    torch.manual_seed(0)
+    load, path, predict = {
+        "image": (load_checkpoint, default_checkpoint(), predict_velocity),
+        "edit": (load_edit_checkpoint, default_edit_checkpoint(), predict_edit_velocity),
+        "video": (load_video_checkpoint, default_video_checkpoint(), predict_video_velocity),
+    }[world]
+    loaded, encoder, _ = load(path, dtype=torch.bfloat16)  # a full fine-tune loads in bf16, then
+    master = copy_module.deepcopy(loaded).float()  # takes float32 masters of those weights
+    shape = (2, loaded.config.frames, 3, 32, 32) if world == "video" else (2, 3, 32, 32)
+    latents = torch.randn(shape)
+    embeds = {
+        "text_hidden": torch.randn(2, encoder.max_length, encoder.dim),
+        "text_mask": torch.ones(2, encoder.max_length, dtype=torch.bool),
+        "text_pooled": torch.randn(2, encoder.dim),
+        "source": torch.rand(2, 3, 32, 32) * 2 - 1,  # read by the edit toy only
+    }
+    copy = frozen_copy(loaded, torch.float32)
+    sigma = torch.tensor([0.3, 0.8])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = predict(master, latents, sigma, embeds), predict(copy, latents, sigma, embeds)
+    assert torch.equal(want, got)
