@@ -89,12 +89,14 @@ def test_an_unknown_dtype_names_the_setting_and_the_choices():
 
 
 @pytest.mark.parametrize("world", ["image", "edit", "video"])
-def test_a_bf16_copy_beside_float32_masters_predicts_their_velocity_bit_for_bit(world):
+def test_a_bf16_copy_beside_float32_masters_gets_their_input_dtype_and_velocity(world):
     # The frozen copies of a float32-master run (the old policy, the KL reference) hold their
-    # matrices in bf16 and their norms in float32 (copies.frozen_copy); under bf16 autocast the
-    # masters' matrices round to the same values, so the velocities must be equal, not close: a
-    # first-step ratio of exactly 1 and KL of exactly 0. Inputs cast to the first parameter's dtype
-    # (a bf16 conv in the copy, float32 in the masters) broke that.
+    # matrices in bf16 and their norms in float32 (copies.frozen_copy). The inputs must reach both
+    # networks in the same dtype, the norms' (diffusers adds the class embedding to the time
+    # embedding in the sample's dtype, outside autocast), for the two to compute the same velocity
+    # before any update. Cast to the first parameter's dtype (a bf16 conv in the copy, float32 in the
+    # masters), the edit toy's copy got bf16 inputs and its velocity differed. With the same inputs,
+    # autocast rounds the masters' matrices to the copy's values, so the velocities are equal, not close.
     torch.manual_seed(0)
     load, path, predict = {
         "image": (load_checkpoint, default_checkpoint(), predict_velocity),
@@ -112,7 +114,11 @@ def test_a_bf16_copy_beside_float32_masters_predicts_their_velocity_bit_for_bit(
         "source": torch.rand(2, 3, 32, 32) * 2 - 1,  # read by the edit toy only
     }
     copy = frozen_copy(loaded, torch.float32)
+    seen = []
+    for net in (master, copy):
+        net.register_forward_pre_hook(lambda _, args: seen.append(args[0].dtype))
     sigma = torch.tensor([0.3, 0.8])
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         want, got = predict(master, latents, sigma, embeds), predict(copy, latents, sigma, embeds)
+    assert seen == [torch.float32, torch.float32]
     assert torch.equal(want, got)
