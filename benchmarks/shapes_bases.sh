@@ -5,7 +5,7 @@
 #
 # Each LABEL trains `configs/toy_pretrain.yaml` with its overrides (space-separated, no spaces inside
 # one) for STEPS steps (at most SECONDS), exporting every EVERY steps (500) to OUT/LABEL/; every export
-# is then evaluated on the held-out list (250 prompts x 2 seeds, 10 Euler steps, at each guidance of
+# is then evaluated on the held-out list (250 prompts x SEEDS seeds (2), 10 Euler steps, at each guidance of
 # GUIDANCE, "1 3" by default) into OUT/LABEL/eval_step<N>.json. The shipped base is scored the same way
 # into OUT/shipped.json. With FAILURES=1 each label's last export (and the shipped base) is also split
 # by the first condition its colour-binding and position samples miss (benchmarks/shapes_failures.py,
@@ -27,12 +27,12 @@ for spec in "$@"; do
     $overrides > "$out/$label/pretrain.log" 2>&1 &
   pids+=($!)
 done
-python -m lit_flowgrpo.toy.evaluate --num-seeds 2 --num-steps 10 --guidance "${guidance[@]}" \
+python -m lit_flowgrpo.toy.evaluate --num-seeds "${SEEDS:-2}" --num-steps 10 --guidance "${guidance[@]}" \
   --json "$out/shipped.json" > "$out/shipped.log" 2>&1
 wait "${pids[@]}"
 for ckpt in "$out"/*/base_step*.safetensors; do
   dir=$(dirname "$ckpt"); step=${ckpt##*_step}; step=${step%.safetensors}
-  python -m lit_flowgrpo.toy.evaluate --checkpoint "$ckpt" --num-seeds 2 --num-steps 10 --guidance "${guidance[@]}" \
+  python -m lit_flowgrpo.toy.evaluate --checkpoint "$ckpt" --num-seeds "${SEEDS:-2}" --num-steps 10 --guidance "${guidance[@]}" \
     --json "$dir/eval_step$step.json" > "$dir/eval_step$step.log" 2>&1 &
   while [ "$(jobs -r | wc -l)" -ge 8 ]; do sleep 1; done
 done
