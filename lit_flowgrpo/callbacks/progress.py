@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import Timer, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from typing_extensions import override
 
@@ -40,7 +40,9 @@ class RolloutProgressBar(TQDMProgressBar):
     It is recomputed after each rollout, so a rollout that takes fewer steps (a batch with nothing to
     learn from) moves it. The count starts at the rollouts already done (a resumed run starts part
     full). Without ``max_steps`` or a module that says how many steps a rollout takes, the count is
-    Lightning's.
+    Lightning's. With ``max_time`` as well, the total is the smaller of that and the rollouts that fit
+    in the time left: Lightning's ``Timer`` stops training at the first rollout's end past it (its
+    clock runs through the evaluations inside training, so their share is spread over the rollouts).
 
     Time, from this session's measurements: the pace is seconds per rollout (rollout and update,
     evaluations not counted) and the ETA is the run's remaining time, evaluations included:
@@ -87,6 +89,8 @@ class RolloutProgressBar(TQDMProgressBar):
         self._steps_per_rollout: int | None = None
         self.total_rollouts: int | None = None
         """The rollouts the run takes, as the bar shows it; None while the bar is Lightning's own."""
+        self.time_capped = False
+        """Whether ``max_time`` ends training before ``max_steps`` does, at this session's pace."""
         self.estimate_s: float | None = None
         """The whole run's estimated seconds (this session), said after its first rollout."""
         self._clock = _Clock()
@@ -239,7 +243,24 @@ class RolloutProgressBar(TQDMProgressBar):
     def _total(self, trainer: Trainer) -> int:
         assert self._steps_per_rollout is not None
         steps_left = max(trainer.max_steps - trainer.global_step, 0)
-        return self._rollouts + math.ceil(steps_left / self._steps_per_rollout)
+        by_steps = self._rollouts + math.ceil(steps_left / self._steps_per_rollout)
+        by_time = self._rollouts_in_time(trainer)
+        self.time_capped = by_time is not None and by_time < by_steps
+        return min(by_steps, by_time) if by_time is not None else by_steps
+
+    def _rollouts_in_time(self, trainer: Trainer) -> int | None:
+        """The rollouts done by the time ``max_time`` stops training, from this session's pace; None
+        without ``max_time`` or before a rollout is timed."""
+        timer = next((cb for cb in trainer.callbacks if isinstance(cb, Timer)), None)
+        left = timer.time_remaining() if timer is not None else None
+        per_rollout = self._clock.s_per_rollout()
+        if left is None or per_rollout is None:
+            return None
+        every, per_sample, size = trainer.val_check_batch, self._clock.s_per_sample(), self._clock.eval_size
+        periodic = trainer.check_val_every_n_epoch is None and isinstance(every, int) and every > 0
+        if periodic and per_sample is not None and size:
+            per_rollout += size * per_sample / every  # the evaluations inside training, a share a rollout
+        return self._rollouts + max(math.ceil(left / per_rollout), 0)
 
     def _time_left(self, trainer: Trainer) -> None:
         """Set the training bar's pace and ETA (and ``seconds_left``) from this session's measurements."""
@@ -266,8 +287,10 @@ class RolloutProgressBar(TQDMProgressBar):
         every, last, done = trainer.val_check_batch, self.total_rollouts, self._clock.validated_at
         periodic = trainer.check_val_every_n_epoch is None and isinstance(every, int) and every > 0
         points = {r for r in range(max(self._rollouts, 1), last + 1) if periodic and r % every == 0}
-        if last not in points and any(
-            getattr(cb, "evaluate_after_training", False) is True for cb in trainer.callbacks
+        # Lightning validates where a run is stopped early (max_time's Timer), or a callback asks it to
+        if last not in points and (
+            self.time_capped
+            or any(getattr(cb, "evaluate_after_training", False) is True for cb in trainer.callbacks)
         ):
             points.add(last)
         return len(points - {done})
@@ -275,7 +298,10 @@ class RolloutProgressBar(TQDMProgressBar):
     def _estimate_line(self, trainer: Trainer) -> str:
         clock, left = self._clock, self.seconds_left
         rollouts = self.total_rollouts or 0
-        parts = [f"{rollouts - clock.first_rollout} rollouts at {_pace(clock.s_per_rollout(), 'rollout')}"]
+        capped = " (as many as fit in max_time)" if self.time_capped else ""
+        parts = [
+            f"{rollouts - clock.first_rollout} rollouts at {_pace(clock.s_per_rollout(), 'rollout')}{capped}"
+        ]
         evaluations = self.evaluations_left + clock.evaluations
         if evaluations:
             size = f" of {self.eval_size} samples" if self.eval_size else ""

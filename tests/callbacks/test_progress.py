@@ -301,3 +301,38 @@ def test_before_any_evaluation_is_timed_the_eta_says_so(tmp_path: Path, capsys) 
         "3 rollouts at 50 s/rollout + 1 evaluation of 12 samples (not measured yet)"
         in capsys.readouterr().out
     )
+
+
+def test_max_time_ends_the_count_where_the_timer_stops_training(tmp_path: Path, capsys) -> None:
+    # Lightning's Timer reads the same fake clock: 50 s rollouts against 175 s of max_time stop
+    # training at the end of rollout 4 (200 s), well before max_steps' 10
+    from lightning.pytorch.callbacks import timer
+
+    clock = FakeClock()
+    clock.monotonic = clock.perf_counter  # type: ignore[method-assign]
+    model, bar = Timed(clock), RolloutProgressBar()
+    t = trainer(
+        tmp_path, [bar], enable_progress_bar=True, max_steps=10, max_epochs=-1, max_time={"seconds": 175},
+        val_check_interval=20, check_val_every_n_epoch=None, num_sanity_val_steps=-1,
+    )  # fmt: skip
+    with mock.patch.object(progress, "time", clock), mock.patch.object(timer, "time", clock):
+        t.fit(model, constant_loader(100), DataLoader(EvalSet(), batch_size=None))
+    assert model.done == 4
+    # from the first rollout on, the bar counts to 4 (ceil of 125 s left / 50 s a rollout, plus one
+    # done), and the ETA counts the evaluation Lightning runs where it stops a run early
+    assert model.train_bar == [
+        (1, "02:42", "50 s/rollout", 3 * 50 + 12),
+        (2, "01:52", "50 s/rollout", 2 * 50 + 12),
+        (3, "01:02", "50 s/rollout", 1 * 50 + 12),
+        (4, "00:12", "50 s/rollout", 0 + 12),
+    ]
+    assert bar.total_rollouts == 4 and bar.time_capped
+    assert "4/4 rollouts" in str(bar.train_progress_bar)
+    titles = [title for title, *_ in model.eval_bar[::3]]
+    assert titles == ["evaluating the base model: 12 samples", "evaluating after 4 rollouts: 12 samples"]
+    out = capsys.readouterr().out
+    assert (
+        "about 4 min in all (4 rollouts at 50 s/rollout (as many as fit in max_time) + 2 evaluations of 12 "
+        "samples at 1 s/sample)" in out
+    )
+    assert bar.estimate_s == 50 + 12 + 3 * 50 + 12
