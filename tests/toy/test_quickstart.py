@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import re
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -26,29 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
     "config", ["quickstart.yaml", "quickstart_flowgrpo.yaml", "quickstart_guard.yaml", "quickstart_dppo.yaml"]
 )
 def test_shortened_quickstart(config, tmp_path, capsys):
-    # As short as the assertions allow: one rollout batch of one small group set between the two
-    # validations, each of 8 held-out prompts in one batch (8: their strict and partial means differ).
-    cli = FlowGRPOCLI(
-        args=[
-            "fit",
-            "--config",
-            str(REPO / "configs" / config),
-            "--trainer.max_steps=1",
-            "--trainer.val_check_interval=1",
-            f"--trainer.default_root_dir={tmp_path}",
-            f"--trainer.logger.init_args.save_dir={tmp_path}",
-            f"--data.init_args.train={REPO / 'lit_flowgrpo/toy/assets/train.jsonl'}",
-            f"--data.init_args.val={REPO / 'lit_flowgrpo/toy/assets/val.jsonl'}",
-            "--data.init_args.prompts_per_step=2",
-            "--data.init_args.group_size=4",
-            "--data.init_args.max_val_prompts=8",
-            "--data.init_args.val_seeds=1",
-            "--data.init_args.val_batch_size=8",
-            # The configs' micro-batch (32) must divide the rollout batch: without this, one rollout
-            # would need 32 samples, 4x the 8 used here.
-            "--model.init_args.update.micro_batch_size=8",
-        ]
-    )
+    cli = FlowGRPOCLI(args=_short_run(config, tmp_path, max_steps=1, val_check_interval=1))
     out = capsys.readouterr().out
     line = re.search(r"held-out strict accuracy: (\d\.\d{3}) -> (\d\.\d{3})", out)
     assert line, out[-2000:]
@@ -87,6 +66,66 @@ def test_shortened_quickstart(config, tmp_path, capsys):
     weighted = sum(tags.count(t) * float(last[k]) for t, k in keys.items()) / len(tags)
     assert weighted == pytest.approx(strict[-1][1], abs=1e-6)
     assert re.search(r"by tag \(the base model -> after 1 rollout\): ", out), out[-2000:]
+
+
+def _short_run(config: str, tmp_path: Path, **trainer: object) -> list[str]:
+    """The shipped config (its callbacks, validation on), as short as the assertions allow: rollouts of
+    one small group set, validations of 8 held-out prompts in one batch (8: their strict and partial
+    means differ)."""
+    return [
+        "fit",
+        "--config",
+        str(REPO / "configs" / config),
+        *(f"--trainer.{key}={value}" for key, value in trainer.items()),
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        f"--data.init_args.train={REPO / 'lit_flowgrpo/toy/assets/train.jsonl'}",
+        f"--data.init_args.val={REPO / 'lit_flowgrpo/toy/assets/val.jsonl'}",
+        "--data.init_args.prompts_per_step=2",
+        "--data.init_args.group_size=4",
+        "--data.init_args.max_val_prompts=8",
+        "--data.init_args.val_seeds=1",
+        "--data.init_args.val_batch_size=8",
+        # The configs' micro-batch (32) must divide the rollout batch: without this, one rollout
+        # would need 32 samples, 4x the 8 used here.
+        "--model.init_args.update.micro_batch_size=8",
+    ]
+
+
+class _HourPerRead:
+    """``time`` for Lightning's Timer: each read is an hour after the one before."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        self.now += 3600.0
+        return self.now
+
+
+@pytest.mark.slow
+def test_the_main_jobs_time_bound_ends_training_then_evaluates(tmp_path, capsys):
+    # The main job's max_time (Lightning's Timer, on a clock where every read is an hour later): the
+    # first rollout ends past it, so training stops there, before max_steps' 3 and before any
+    # evaluation val_check_interval asks for; Lightning validates where it stops a run early, and the
+    # report, the progress bar and the picture say 1 rollout.
+    from lightning.pytorch.callbacks import timer
+
+    args = _short_run("quickstart.yaml", tmp_path, max_steps=3, val_check_interval=3, max_time="00:00:01:00")
+    with mock.patch.object(timer, "time", _HourPerRead()):
+        cli = FlowGRPOCLI(args=args)
+    out = capsys.readouterr().out
+    assert cli.trainer.global_step == 1
+    assert re.search(r"held-out strict accuracy: \d\.\d{3} -> \d\.\d{3} \(.*after 1 rollout\)", out), out[
+        -2000:
+    ]
+    bar = cli.trainer.progress_bar_callback
+    assert bar.total_rollouts == 1 and bar.time_capped
+    assert "1 rollouts at" in out and "(as many as fit in max_time)" in out
+    assert "1/1 rollouts" in str(bar.train_progress_bar)
+    (metrics,) = tmp_path.glob("*/version_0/metrics.csv")
+    assert (metrics.parent / "base_vs_tuned.png").is_file()
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
 
 
 def _check_validation(cli: FlowGRPOCLI, row: dict[str, str]) -> None:
