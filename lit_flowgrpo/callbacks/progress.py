@@ -256,9 +256,12 @@ class RolloutProgressBar(TQDMProgressBar):
         per_rollout = self._clock.s_per_rollout()
         if left is None or per_rollout is None:
             return None
-        every, per_sample, size = trainer.val_check_batch, self._clock.s_per_sample(), self._clock.eval_size
-        periodic = trainer.check_val_every_n_epoch is None and isinstance(every, int) and every > 0
-        if periodic and per_sample is not None and size:
+        every, per_sample, size = (
+            _validation_every(trainer),
+            self._clock.s_per_sample(),
+            self._clock.eval_size,
+        )
+        if every is not None and per_sample is not None and size:
             per_rollout += size * per_sample / every  # the evaluations inside training, a share a rollout
         return self._rollouts + max(math.ceil(left / per_rollout), 0)
 
@@ -284,9 +287,8 @@ class RolloutProgressBar(TQDMProgressBar):
         rollout is no such multiple."""
         if not trainer.enable_validation or self.total_rollouts is None:
             return 0
-        every, last, done = trainer.val_check_batch, self.total_rollouts, self._clock.validated_at
-        periodic = trainer.check_val_every_n_epoch is None and isinstance(every, int) and every > 0
-        points = {r for r in range(max(self._rollouts, 1), last + 1) if periodic and r % every == 0}
+        every, last, done = _validation_every(trainer), self.total_rollouts, self._clock.validated_at
+        points = {r for r in range(max(self._rollouts, 1), last + 1) if every is not None and r % every == 0}
         # Lightning validates where a run is stopped early (max_time's Timer), or a callback asks it to
         if last not in points and (
             self.time_capped
@@ -434,6 +436,14 @@ def _eval_size(trainer: Trainer, dataloader_idx: int, *, sanity: bool | None = N
     if isinstance(batch_size, int) and math.isfinite(limit):
         samples = min(samples, int(limit) * batch_size)
     return samples
+
+
+def _validation_every(trainer: Trainer) -> int | None:
+    """The rollouts between evaluations during training (``val_check_interval`` counted over the whole
+    run, ``check_val_every_n_epoch: null``); None where evaluations follow epochs instead."""
+    every = trainer.val_check_batch
+    periodic = trainer.check_val_every_n_epoch is None and isinstance(every, int) and every > 0
+    return every if periodic else None
 
 
 def _batch_len(batch: Any) -> int:
